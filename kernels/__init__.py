@@ -1,0 +1,1 @@
+"""Triton GPU kernels for the gradfuse:: ops (placeholder until the Triton issue lands)."""

@@ -1,0 +1,45 @@
+"""gradfuse: fused gradient kernels for PyTorch training.
+
+Gradient accumulation, fp16 unscaling with inf/NaN checks, global-norm measurement and
+clipping in one or two passes over memory and one or two kernel launches per device, whatever
+the number of parameter tensors, with no host sync and fp32-accurate norms for bf16 models.
+CPU tensors run on a Rust core, CUDA tensors on Triton kernels, both behind `gradfuse::`
+torch custom ops.
+"""
+
+from . import ops
+from .clip import (
+    clip_grad_norm,
+    clip_grad_norm_,
+    clip_grad_value_,
+    clip_grads_with_norm_,
+    get_total_norm,
+    patch_torch,
+)
+from .ops import (
+    accumulate_,
+    multi_tensor_norm,
+    multi_tensor_scale_,
+    unscale_and_check_,
+    unscale_and_clip_,
+    unscale_check_norm,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "accumulate_",
+    "clip_grad_norm",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "clip_grads_with_norm_",
+    "get_total_norm",
+    "multi_tensor_norm",
+    "multi_tensor_scale_",
+    "ops",
+    "patch_torch",
+    "unscale_and_check_",
+    "unscale_and_clip_",
+    "unscale_check_norm",
+]

@@ -1,0 +1,87 @@
+"""CPU backend: the `gradfuse::` ops on CPU tensors, run by the Rust core (`gradfuse._rust`).
+
+Same functions, arguments and results as the Triton backend (`gradfuse.kernels`); the ops
+layer (`gradfuse.ops`) picks one per call. Plans are validated already; scalars in 0-d CPU
+tensors are read with ``item()``, which on the CPU is a memory read, not a device sync.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _rust
+from ._plan import DTYPE_CODES, Plan, nonfinite_total_error
+
+
+def _tensor_list(plan: Plan) -> _rust.TensorList:
+    return _rust.TensorList(plan.name, plan.addrs, plan.numels, plan.codes)
+
+
+def _norm_into(plan: Plan, tl: _rust.TensorList, norm_type: float, per_tensor: bool):
+    out = plan.out_dtype
+    total = torch.empty((), dtype=out)
+    per = torch.empty(len(plan) if per_tensor else 0, dtype=out)
+    value = _rust.norm(tl, norm_type, total.data_ptr(), per.data_ptr(), DTYPE_CODES[out])
+    return total, per, value
+
+
+def norm(plan: Plan, norm_type: float, per_tensor: bool):
+    total, per, _ = _norm_into(plan, _tensor_list(plan), norm_type, per_tensor)
+    return total, per
+
+
+def scale_(plan: Plan, scale: torch.Tensor) -> None:
+    _rust.scale_(_tensor_list(plan), scale.item())
+
+
+def clip_grads_with_norm_(plan: Plan, max_norm: float, total_norm: torch.Tensor) -> None:
+    coef = _rust.clip_coef(total_norm.item(), max_norm, DTYPE_CODES[total_norm.dtype])
+    _rust.scale_(_tensor_list(plan), coef)
+
+
+def clip_grad_norm_(plan: Plan, max_norm: float, norm_type: float, error_if_nonfinite: bool):
+    tl = _tensor_list(plan)
+    total, _, value = _norm_into(plan, tl, norm_type, False)
+    if error_if_nonfinite and not math.isfinite(value):
+        raise nonfinite_total_error(norm_type)
+    _rust.scale_(tl, _rust.clip_coef(value, max_norm, DTYPE_CODES[total.dtype]))
+    return total
+
+
+def unscale_and_check_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    if _rust.unscale_and_check_(_tensor_list(plan), inv_scale.item()):
+        found_inf.fill_(1.0)
+
+
+def _unscale_check_norm(plan: Plan, tl, inv: float, norm_type: float):
+    out = plan.out_dtype
+    total = torch.empty((), dtype=out)
+    value, found = _rust.unscale_check_norm(tl, inv, norm_type, total.data_ptr(), DTYPE_CODES[out])
+    return total, value, found
+
+
+def unscale_check_norm(plan: Plan, inv_scale: torch.Tensor, norm_type: float):
+    total, _, found = _unscale_check_norm(plan, _tensor_list(plan), inv_scale.item(), norm_type)
+    return total, torch.tensor(1.0 if found else 0.0)
+
+
+def unscale_and_clip_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, max_norm: float, norm_type):
+    tl = _tensor_list(plan)
+    inv = inv_scale.item()
+    total, value, found = _unscale_check_norm(plan, tl, inv, norm_type)
+    if found:
+        found_inf.fill_(1.0)
+    # One write pass applies both factors. inv_scale is a power of two under GradScaler, so
+    # x * (inv * coef) equals (x * inv) * coef bit for bit (barring underflow).
+    _rust.scale_(tl, inv * _rust.clip_coef(value, max_norm, DTYPE_CODES[total.dtype]))
+    return total
+
+
+def accumulate_(dst: Plan, src: Plan, alpha: float) -> None:
+    _rust.accumulate_(_tensor_list(dst), _tensor_list(src), alpha)
+
+
+def clamp_(plan: Plan, lo: float, hi: float) -> None:
+    _rust.clamp_(_tensor_list(plan), lo, hi)

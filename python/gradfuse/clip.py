@@ -1,0 +1,267 @@
+"""Drop-in replacements for ``torch.nn.utils``'s gradient clipping, and ``patch_torch``.
+
+Same signatures and semantics as torch's (torch's own tests are the reference), with two
+differences, both on purpose: every norm accumulates in float32 (float64 for float64
+gradients), so the returned total of a bf16/fp16 model is a float32 tensor accurate to fp32;
+and a negative or NaN ``max_norm``/``clip_value`` raises ``ValueError`` instead of flipping or
+poisoning every gradient. Gradients gradfuse cannot run (sparse, complex, tensor subclasses
+such as DTensor, devices other than CPU and CUDA) are handed to torch, which answers.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import warnings
+from collections.abc import Iterable
+
+import torch
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+
+from . import _plan as P
+from .ops import check_max_norm
+
+Tensor = torch.Tensor
+_TensorOrTensors = Tensor | Iterable[Tensor]
+
+# torch's own functions, kept before any patching so that delegating never loops back here.
+_TORCH = {
+    name: getattr(torch.nn.utils, name)
+    for name in ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_")
+}
+_PLAIN = frozenset({Tensor, torch.nn.Parameter})
+_DEVICES = frozenset({"cpu", "cuda"})
+
+
+def _parameters(parameters: _TensorOrTensors, warn_empty_generator: bool) -> list[Tensor]:
+    if isinstance(parameters, Tensor):
+        return [parameters]
+    is_generator = isinstance(parameters, types.GeneratorType)
+    parameters = list(parameters)
+    if warn_empty_generator and is_generator and not parameters:
+        warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
+    return parameters
+
+
+def _grads(parameters: list[Tensor]) -> list[Tensor]:
+    # One read of .grad per parameter: on a Parameter it costs ~150 ns (0.3 ms at 2000).
+    return [g for p in parameters if (g := p.grad) is not None]
+
+
+def _fused_groups(tensors: list[Tensor]) -> dict[torch.device, list[Tensor]] | None:
+    """Tensors grouped by device in order of first appearance (the first device holds the
+    total), or None when gradfuse leaves them to torch: tensor subclasses (DTensor, ...) and
+    devices other than CPU and CUDA. Unsupported dtypes and layouts are found by the ops
+    themselves (``UnsupportedTensorError``, raised before anything is modified)."""
+    if torch.compiler.is_compiling():
+        if any(t.layout != torch.strided or t.dtype not in P.DTYPE_CODES for t in tensors):
+            return None
+    elif not set(map(type, tensors)) <= _PLAIN:
+        return None
+    if not torch.compiler.is_compiling() and len(set(map(Tensor.get_device, tensors))) == 1:
+        groups = {tensors[0].device: tensors}
+    else:
+        groups = {}
+        for t in tensors:
+            groups.setdefault(t.device, []).append(t)
+    if any(device.type not in _DEVICES for device in groups):
+        return None
+    return groups
+
+
+def _check_all(groups: dict[torch.device, list[Tensor]]) -> None:
+    """Before a call that launches once per device: find unsupported tensors on every device
+    first, so that no device's gradients are modified when another's must go to torch."""
+    if len(groups) > 1:
+        for group in groups.values():
+            P.check_dtypes("gradfuse", "grads", group)
+            P.check_layouts("gradfuse", "grads", group)
+
+
+def _combine_totals(totals: list[Tensor], norm_type: float) -> Tensor:
+    """The total norm from per-device totals (on the first device), as torch would get it."""
+    if len(totals) == 1:
+        return totals[0]
+    first = totals[0].device
+    stacked = torch.stack([t.to(first) for t in totals])
+    if norm_type == 0:
+        # Per-device totals of order 0 are counts of non-zero tensors: they add up.
+        return stacked.sum()
+    return torch.linalg.vector_norm(stacked, norm_type)
+
+
+def _total_norm(groups: dict[torch.device, list[Tensor]], norm_type: float, error_if_nonfinite: bool) -> Tensor:
+    totals = [torch.ops.gradfuse.multi_tensor_norm(group, norm_type, False)[0] for group in groups.values()]
+    total = _combine_totals(totals, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise P.nonfinite_total_error(norm_type)
+    return total
+
+
+def get_total_norm(
+    tensors: _TensorOrTensors,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """As ``torch.nn.utils.get_total_norm``, in one fused pass per device (fp32-accurate)."""
+    tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+    norm_type = P.check_norm_type("gradfuse.get_total_norm", norm_type)
+    if not tensors:
+        return torch.tensor(0.0)
+    groups = _fused_groups(tensors)
+    if groups is not None:
+        try:
+            with torch.no_grad():
+                return _total_norm(groups, norm_type, error_if_nonfinite)
+        except P.UnsupportedTensorError:
+            pass
+    return _TORCH["get_total_norm"](tensors, norm_type, error_if_nonfinite, foreach)
+
+
+def clip_grads_with_norm_(
+    parameters: _TensorOrTensors,
+    max_norm: float,
+    total_norm: Tensor,
+    foreach: bool | None = None,
+) -> None:
+    """As ``torch.nn.utils.clip_grads_with_norm_``: ``grad *= min(max_norm / (total_norm + 1e-6), 1)``.
+
+    The coefficient is computed on the device, inside the kernel (no host sync); when it is
+    exactly 1 no gradient memory is touched.
+    """
+    parameters = _parameters(parameters, warn_empty_generator=False)
+    grads = _grads(parameters)
+    max_norm = check_max_norm("gradfuse.clip_grads_with_norm_", max_norm)
+    if not grads:
+        return
+    groups = _fused_groups(grads)
+    if groups is not None:
+        try:
+            with torch.no_grad():
+                _check_all(groups)
+                for device, group in groups.items():
+                    torch.ops.gradfuse.clip_grads_with_norm_(group, max_norm, total_norm.to(device, non_blocking=True))
+            return
+        except P.UnsupportedTensorError:
+            pass
+    _TORCH["clip_grads_with_norm_"](parameters, max_norm, total_norm, foreach)
+
+
+def clip_grad_norm_(
+    parameters: _TensorOrTensors,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """Drop-in for ``torch.nn.utils.clip_grad_norm_``: two passes over the gradients (a read
+    for the norm, a read-write for the scale, skipped when no clipping is needed), one or two
+    kernel launches per device whatever the number of tensors, no host sync. Returns the total
+    norm of the gradients (viewed as one vector), float32 for fp32/bf16/fp16 gradients.
+    """
+    parameters = _parameters(parameters, warn_empty_generator=True)
+    grads = _grads(parameters)
+    max_norm = check_max_norm("gradfuse.clip_grad_norm_", max_norm)
+    norm_type = P.check_norm_type("gradfuse.clip_grad_norm_", norm_type)
+    if not grads:
+        return torch.tensor(0.0)
+    groups = _fused_groups(grads)
+    if groups is not None:
+        try:
+            with torch.no_grad():
+                if len(groups) == 1:
+                    return torch.ops.gradfuse.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
+                _check_all(groups)
+                total = _total_norm(groups, norm_type, error_if_nonfinite)
+                for device, group in groups.items():
+                    torch.ops.gradfuse.clip_grads_with_norm_(group, max_norm, total.to(device, non_blocking=True))
+                return total
+        except P.UnsupportedTensorError:
+            pass
+    return _TORCH["clip_grad_norm_"](parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def clip_grad_norm(
+    parameters: _TensorOrTensors,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """Deprecated alias of :func:`clip_grad_norm_`, warning as torch's does."""
+    warnings.warn(
+        "`torch.nn.utils.clip_grad_norm` is now deprecated in favor of `torch.nn.utils.clip_grad_norm_`.",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def clip_grad_value_(parameters: _TensorOrTensors, clip_value: float, foreach: bool | None = None) -> None:
+    """Drop-in for ``torch.nn.utils.clip_grad_value_``: clamps every gradient to
+    ``[-clip_value, clip_value]`` in one pass per device (NaN stays NaN)."""
+    parameters = _parameters(parameters, warn_empty_generator=False)
+    clip_value = float(clip_value)
+    if math.isnan(clip_value) or clip_value < 0:
+        raise ValueError(f"gradfuse.clip_grad_value_: clip_value must be a non-negative number, got {clip_value}")
+    grads = _grads(parameters)
+    if not grads:
+        return
+    groups = _fused_groups(grads)
+    if groups is not None:
+        try:
+            with torch.no_grad():
+                _check_all(groups)
+                for group in groups.values():
+                    torch.ops.gradfuse.clamp_(group, -clip_value, clip_value)
+            return
+        except P.UnsupportedTensorError:
+            pass
+    _TORCH["clip_grad_value_"](parameters, clip_value, foreach)
+
+
+_REPLACEMENTS = {
+    "clip_grad_norm_": clip_grad_norm_,
+    "clip_grad_norm": clip_grad_norm,
+    "clip_grad_value_": clip_grad_value_,
+    "get_total_norm": get_total_norm,
+    "clip_grads_with_norm_": clip_grads_with_norm_,
+}
+# torch.nn.utils.clip_grad names the last two privately.
+_MODULE_NAMES = {"get_total_norm": "_get_total_norm", "clip_grads_with_norm_": "_clip_grads_with_norm_"}
+
+
+class patch_torch:
+    """Route torch's clipping functions through gradfuse.
+
+    ``gradfuse.patch_torch()`` replaces ``torch.nn.utils.clip_grad_norm_``,
+    ``clip_grad_norm``, ``clip_grad_value_``, ``get_total_norm`` and ``clip_grads_with_norm_``
+    (in ``torch.nn.utils`` and ``torch.nn.utils.clip_grad``), so a trainer that calls them
+    picks up the fused path unchanged. Used as a context manager, it restores torch's
+    functions on exit; otherwise ``.restore()`` does.
+    """
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[object, str, object]] = []
+        for name, fn in _REPLACEMENTS.items():
+            for module, attr in (
+                (torch.nn.utils, name),
+                (torch.nn.utils.clip_grad, _MODULE_NAMES.get(name, name)),
+            ):
+                if hasattr(module, attr):
+                    self._saved.append((module, attr, getattr(module, attr)))
+                    setattr(module, attr, fn)
+
+    def restore(self) -> None:
+        """Put back the functions that were there when this patch was made."""
+        for module, attr, original in reversed(self._saved):
+            setattr(module, attr, original)
+        self._saved.clear()
+
+    def __enter__(self) -> patch_torch:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.restore()

@@ -1,0 +1,16 @@
+//! gradfuse's CPU core: multi-tensor norms, clipping, AMP unscale-and-check, accumulation
+//! and clamping over lists of f32/f64/f16/bf16 tensors, multithreaded with rayon and
+//! deterministic (fixed segments, partials combined in a fixed order).
+//!
+//! Everything here is plain Rust over slices and is tested with `cargo test`; the pyo3 glue
+//! that turns tensor addresses into those slices lives in `python.rs`, behind the `python`
+//! feature that maturin enables.
+
+pub mod dtype;
+pub mod elementwise;
+pub mod error;
+pub mod norm;
+pub mod tensor;
+
+#[cfg(feature = "python")]
+mod python;

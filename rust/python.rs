@@ -1,0 +1,332 @@
+//! pyo3 glue: `gradfuse._rust`. Converts Python arguments, checks what the safety contract
+//! needs, releases the GIL and calls the plain-Rust core. No kernel logic lives here.
+//!
+//! Tensors arrive as a [`TensorList`]: addresses, element counts and dtype codes taken by the
+//! Python layer (`gradfuse._plan`) from live, dense (contiguous or non-overlapping-and-dense)
+//! CPU tensors that the caller keeps alive for the duration of the call. That is the part of
+//! the contract this file cannot check; alignment, null addresses and disjointness of
+//! written memory it checks itself before any view is made.
+
+use crate::dtype::DType;
+use crate::elementwise;
+use crate::error::Error;
+use crate::norm::{self as norms, NormResult};
+use crate::tensor::{find_conflict, RawTensor, Slice, SliceMut};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+/// The memory of a list of tensors: what the kernels need, nothing else.
+#[pyclass(frozen, module = "gradfuse._rust")]
+struct TensorList {
+    /// The argument's name in the public API (`grads`, `dst`, ...), for error messages.
+    name: String,
+    tensors: Vec<RawTensor>,
+}
+
+#[pymethods]
+impl TensorList {
+    #[new]
+    fn new(name: String, addrs: Vec<usize>, numels: Vec<usize>, codes: Vec<u8>) -> PyResult<Self> {
+        if addrs.len() != numels.len() || addrs.len() != codes.len() {
+            return Err(PyValueError::new_err(format!(
+                "{name}: {} addresses, {} sizes and {} dtype codes",
+                addrs.len(),
+                numels.len(),
+                codes.len()
+            )));
+        }
+        let tensors = addrs
+            .iter()
+            .zip(&numels)
+            .zip(&codes)
+            .enumerate()
+            .map(|(i, ((&a, &n), &c))| RawTensor::new(i, a, n, c))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| to_py(e, &name, ""))?;
+        Ok(TensorList { name, tensors })
+    }
+
+    fn __len__(&self) -> usize {
+        self.tensors.len()
+    }
+
+    fn __repr__(&self) -> String {
+        let numel: usize = self.tensors.iter().map(|t| t.numel).sum();
+        format!(
+            "TensorList({}, {} tensors, {} elements)",
+            self.name,
+            self.tensors.len(),
+            numel
+        )
+    }
+}
+
+impl TensorList {
+    fn slices(&self) -> Vec<Slice<'_>> {
+        // SAFETY: each RawTensor passed `validate` in `new`; liveness and initialisation are
+        // the Python layer's part of the contract (module docs); writers of this memory during
+        // the call are only views from `slices_mut` of lists checked disjoint from it.
+        self.tensors.iter().map(|t| unsafe { t.slice() }).collect()
+    }
+
+    /// Exclusive views, after checking that no two of them overlap (and none overlaps `reads`).
+    fn slices_mut(
+        &self,
+        reads: Option<(&TensorList, &[bool])>,
+    ) -> Result<Vec<SliceMut<'_>>, Error> {
+        let mut ranges: Vec<(usize, usize, bool)> = self
+            .tensors
+            .iter()
+            .map(|t| {
+                let (s, e) = t.byte_range();
+                (s, e, true)
+            })
+            .collect();
+        if let Some((src, skip)) = reads {
+            ranges.extend(src.tensors.iter().zip(skip).map(|(t, &same)| {
+                // A source identical to its own target (dst[i] += src[i] with src[i] is dst[i]) is fine.
+                let (s, e) = if same { (0, 0) } else { t.byte_range() };
+                (s, e, false)
+            }));
+        }
+        if let Some((i, j)) = find_conflict(&ranges) {
+            let n = self.tensors.len();
+            let label = |k: usize| match reads {
+                Some((src, _)) if k >= n => (src.name.clone(), k - n),
+                _ => (self.name.clone(), k),
+            };
+            return Err(Error::Overlap {
+                first: label(i),
+                second: label(j),
+            });
+        }
+        // SAFETY: validated in `new`, live (module docs), and pairwise disjoint from each other
+        // and from every other view made during this call (checked just above).
+        Ok(self
+            .tensors
+            .iter()
+            .map(|t| unsafe { t.slice_mut() })
+            .collect())
+    }
+
+    fn err(&self, e: Error) -> PyErr {
+        to_py(e, &self.name, "")
+    }
+}
+
+fn to_py(e: Error, list: &str, other: &str) -> PyErr {
+    let msg = e.message(list, other);
+    match e {
+        Error::UnknownDType { .. } => PyTypeError::new_err(msg),
+        Error::EmptyNorm { .. } => PyRuntimeError::new_err(msg),
+        _ => PyValueError::new_err(msg),
+    }
+}
+
+fn out_dtype(code: u8) -> PyResult<DType> {
+    match DType::from_code(code) {
+        Some(d @ (DType::F32 | DType::F64)) => Ok(d),
+        _ => Err(PyTypeError::new_err(format!(
+            "norm outputs are float32 or float64, got dtype code {code}"
+        ))),
+    }
+}
+
+/// Writes `values` as `dtype` to `addr`.
+///
+/// # Safety
+/// `addr` is the data of a live, contiguous tensor of `dtype` with at least `values.len()`
+/// elements that nothing else reads or writes during the call (the Python layer allocates it
+/// just before the call).
+unsafe fn write_out(addr: usize, dtype: DType, values: &[f64]) -> PyResult<()> {
+    if values.is_empty() {
+        return Ok(());
+    }
+    if addr == 0 || addr % dtype.size() != 0 {
+        return Err(PyValueError::new_err(format!(
+            "bad output address {addr:#x}"
+        )));
+    }
+    // SAFETY: non-null and aligned (checked); size, liveness and exclusivity per the contract.
+    unsafe {
+        match dtype {
+            DType::F64 => std::slice::from_raw_parts_mut(addr as *mut f64, values.len())
+                .copy_from_slice(values),
+            _ => {
+                let out = std::slice::from_raw_parts_mut(addr as *mut f32, values.len());
+                out.iter_mut().zip(values).for_each(|(o, v)| *o = *v as f32);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn write_norms(
+    r: &NormResult,
+    total_addr: usize,
+    per_tensor_addr: usize,
+    dtype: DType,
+) -> PyResult<f64> {
+    let total = dtype.round(r.total);
+    // SAFETY: both addresses come from tensors `gradfuse._cpu` allocates for this call
+    // (0-d for the total, one element per tensor for the per-tensor norms).
+    unsafe {
+        write_out(total_addr, dtype, &[total])?;
+        if per_tensor_addr != 0 {
+            write_out(per_tensor_addr, dtype, &r.per_tensor)?;
+        }
+    }
+    Ok(total)
+}
+
+/// Norm of every tensor and of all together. Writes the total (0-d) and, when
+/// `per_tensor_addr` is non-zero, the per-tensor norms, as `out_code`; returns the total
+/// as rounded to that dtype.
+#[pyfunction]
+fn norm(
+    py: Python<'_>,
+    tensors: &Bound<'_, TensorList>,
+    norm_type: f64,
+    total_addr: usize,
+    per_tensor_addr: usize,
+    out_code: u8,
+) -> PyResult<f64> {
+    let tl = tensors.get();
+    let dtype = out_dtype(out_code)?;
+    let r = py
+        .detach(|| norms::norm(&tl.slices(), norm_type))
+        .map_err(|e| tl.err(e))?;
+    write_norms(&r, total_addr, per_tensor_addr, dtype)
+}
+
+/// One read-only pass: norm of `x * inv_scale` and whether any `x` is inf/NaN.
+/// Writes the total as `out_code`; returns `(total, found_inf)`.
+#[pyfunction]
+fn unscale_check_norm(
+    py: Python<'_>,
+    tensors: &Bound<'_, TensorList>,
+    inv_scale: f64,
+    norm_type: f64,
+    total_addr: usize,
+    out_code: u8,
+) -> PyResult<(f64, bool)> {
+    let tl = tensors.get();
+    let dtype = out_dtype(out_code)?;
+    let r = py
+        .detach(|| norms::unscale_check_norm(&tl.slices(), inv_scale, norm_type))
+        .map_err(|e| tl.err(e))?;
+    Ok((write_norms(&r, total_addr, 0, dtype)?, r.found_inf))
+}
+
+/// `x *= scale` in place (nothing is touched when `scale == 1`).
+#[pyfunction]
+fn scale_(py: Python<'_>, tensors: &Bound<'_, TensorList>, scale: f64) -> PyResult<()> {
+    let tl = tensors.get();
+    let views = tl.slices_mut(None).map_err(|e| tl.err(e))?;
+    py.detach(|| elementwise::scale(views, scale));
+    Ok(())
+}
+
+/// torch's clip coefficient `clamp(max_norm / (total + 1e-6), max=1)` in the arithmetic of
+/// the dtype `code` (the dtype of the total-norm tensor).
+#[pyfunction]
+fn clip_coef(total_norm: f64, max_norm: f64, code: u8) -> PyResult<f64> {
+    let dtype = DType::from_code(code)
+        .ok_or_else(|| PyTypeError::new_err(format!("unknown dtype code {code}")))?;
+    Ok(elementwise::clip_coef(total_norm, max_norm, dtype))
+}
+
+/// `x *= inv_scale` in place; returns whether any `x` was inf/NaN before scaling.
+#[pyfunction]
+fn unscale_and_check_(
+    py: Python<'_>,
+    tensors: &Bound<'_, TensorList>,
+    inv_scale: f64,
+) -> PyResult<bool> {
+    let tl = tensors.get();
+    let views = tl.slices_mut(None).map_err(|e| tl.err(e))?;
+    Ok(py.detach(|| elementwise::unscale_and_check(views, inv_scale)))
+}
+
+/// `x = min(max(x, lo), hi)` in place.
+#[pyfunction]
+fn clamp_(py: Python<'_>, tensors: &Bound<'_, TensorList>, lo: f64, hi: f64) -> PyResult<()> {
+    let tl = tensors.get();
+    let views = tl.slices_mut(None).map_err(|e| tl.err(e))?;
+    py.detach(|| elementwise::clamp(views, lo, hi));
+    Ok(())
+}
+
+/// `dst[i] += alpha * src[i]`. `src[i]` may be `dst[i]` itself, but no other source may
+/// overlap any target.
+#[pyfunction]
+fn accumulate_(
+    py: Python<'_>,
+    dst: &Bound<'_, TensorList>,
+    src: &Bound<'_, TensorList>,
+    alpha: f64,
+) -> PyResult<()> {
+    let (d, s) = (dst.get(), src.get());
+    let named = |e: Error| to_py(e, &d.name, &s.name);
+    if d.tensors.len() != s.tensors.len() {
+        return Err(named(Error::LengthMismatch {
+            what: "accumulate_",
+            left: d.tensors.len(),
+            right: s.tensors.len(),
+        }));
+    }
+    let same: Vec<bool> = d
+        .tensors
+        .iter()
+        .zip(&s.tensors)
+        .map(|(a, b)| a == b)
+        .collect();
+    let views = d.slices_mut(Some((s, &same))).map_err(named)?;
+    let sources = s.slices();
+    py.detach(|| elementwise::accumulate(views, &sources, alpha))
+        .map_err(named)
+}
+
+/// Indices `(i, j)` of two byte ranges `[starts[k], ends[k])` that overlap while at least one
+/// is written, or `None`.
+#[pyfunction]
+fn find_overlap(
+    starts: Vec<usize>,
+    ends: Vec<usize>,
+    written: Vec<bool>,
+) -> PyResult<Option<(usize, usize)>> {
+    if starts.len() != ends.len() || starts.len() != written.len() {
+        return Err(PyValueError::new_err(
+            "find_overlap: starts, ends and written differ in length",
+        ));
+    }
+    let ranges: Vec<(usize, usize, bool)> = starts
+        .iter()
+        .zip(&ends)
+        .zip(&written)
+        .map(|((&s, &e), &w)| (s, e, w))
+        .collect();
+    Ok(find_conflict(&ranges))
+}
+
+/// Number of threads the CPU kernels run on.
+#[pyfunction]
+fn num_threads() -> usize {
+    rayon::current_num_threads()
+}
+
+#[pymodule]
+fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<TensorList>()?;
+    m.add_function(wrap_pyfunction!(norm, m)?)?;
+    m.add_function(wrap_pyfunction!(unscale_check_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(scale_, m)?)?;
+    m.add_function(wrap_pyfunction!(clip_coef, m)?)?;
+    m.add_function(wrap_pyfunction!(unscale_and_check_, m)?)?;
+    m.add_function(wrap_pyfunction!(clamp_, m)?)?;
+    m.add_function(wrap_pyfunction!(accumulate_, m)?)?;
+    m.add_function(wrap_pyfunction!(find_overlap, m)?)?;
+    m.add_function(wrap_pyfunction!(num_threads, m)?)?;
+    m.add("SEGMENT", crate::tensor::SEGMENT)?;
+    Ok(())
+}

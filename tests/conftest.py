@@ -1,0 +1,39 @@
+"""Shared test setup.
+
+Without a GPU, Triton kernels run under the interpreter (``TRITON_INTERPRET=1``) on CPU
+tensors; the variable must be set before ``gradfuse.kernels`` is first imported, which this
+file does. Tests marked ``cuda`` are skipped when no GPU is present.
+"""
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Kernels are fast but inputs are random and sizes vary: no per-example deadline. CI (2 cores,
+# Triton interpreter) uses fewer examples than a local run.
+settings.register_profile(
+    "default", deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("ci", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """Fresh but reproducible random inputs per test (the seed is printed on failure by pytest -ra)."""
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little") if os.environ.get("GRADFUSE_RANDOM_SEED") else 0)
