@@ -47,28 +47,22 @@ impl DType {
         }
     }
 
-    /// Rounds an `f64` to this dtype and back: the value a tensor of this dtype would hold.
+    /// Rounds an `f64` to this dtype and back: the value a tensor of this dtype would hold
+    /// after torch's cast, which for f16/bf16 goes through f32 (c10's 16-bit types are built
+    /// from `float`), rounding twice.
     pub fn round(self, v: f64) -> f64 {
         match self {
             DType::F64 => v,
             DType::F32 => v as f32 as f64,
-            DType::F16 => f16::from_f64(v).to_f64(),
-            DType::BF16 => bf16::from_f64(v).to_f64(),
+            DType::F16 => f16_to_f32(f32_to_f16(v as f32)) as f64,
+            DType::BF16 => bf16_to_f32(f32_to_bf16(v as f32)) as f64,
         }
     }
 }
 
 /// The arithmetic type of a kernel: `f32` (torch's opmath type for f32/f16/bf16) or `f64`.
 pub trait Real:
-    Copy
-    + Send
-    + Sync
-    + PartialOrd
-    + Default
-    + 'static
-    + Add<Output = Self>
-    + Mul<Output = Self>
-    + Sub<Output = Self>
+    Copy + Send + Sync + PartialOrd + Default + 'static + Add<Output = Self> + Mul<Output = Self> + Sub<Output = Self>
 {
     const ZERO: Self;
     const ONE: Self;
@@ -198,8 +192,8 @@ macro_rules! half_storage {
             }
             #[inline(always)]
             fn put_f64(v: f64) -> Self {
-                // One rounding, from f64, as torch casts f64 -> f16/bf16.
-                <$t>::from_f64(v)
+                // Through f32, as torch casts f64 -> f16/bf16.
+                <$t>::from_bits($from(v as f32))
             }
         }
     };
@@ -249,15 +243,10 @@ pub fn f32_to_f16(f: f32) -> u16 {
     let x = w & 0x7FFF_FFFF;
     // Normal range: rebias the exponent and round the 13 dropped bits to nearest even.
     let mant_odd = (x >> 13) & 1;
-    let normal = (x
-        .wrapping_sub((127 - 15) << 23)
-        .wrapping_add(0xFFF + mant_odd)
-        >> 13) as u16;
+    let normal = (x.wrapping_sub((127 - 15) << 23).wrapping_add(0xFFF + mant_odd) >> 13) as u16;
     // Subnormal range: adding a magic float aligns the 10 mantissa bits at the bottom and the
     // FPU rounds them to nearest even.
-    let sub = (f32::from_bits(x) + f32::from_bits(DENORM_MAGIC))
-        .to_bits()
-        .wrapping_sub(DENORM_MAGIC) as u16;
+    let sub = (f32::from_bits(x) + f32::from_bits(DENORM_MAGIC)).to_bits().wrapping_sub(DENORM_MAGIC) as u16;
     let big = if x > 0x7F80_0000 { 0x7E00 } else { 0x7C00 };
     let mag = if x >= F16_MAX_EXP {
         big
@@ -324,6 +313,9 @@ mod tests {
     fn rounding_matches_half() {
         // 1 + 2^-9 is not representable in bf16 (8 mantissa bits): ties-to-even gives 1.0.
         assert_eq!(DType::BF16.round(1.0 + 2f64.powi(-9)), 1.0);
+        // Through f32 like torch: 1 + 2^-8 + 2^-30 first rounds to the f32 tie 1 + 2^-8,
+        // which then rounds to even (1.0); a direct f64 -> bf16 rounding would give 1 + 2^-7.
+        assert_eq!(DType::BF16.round(1.0 + 2f64.powi(-8) + 2f64.powi(-30)), 1.0);
         assert_eq!(DType::F16.round(65520.0), f64::INFINITY);
         assert_eq!(DType::F32.round(0.1), 0.1f32 as f64);
     }
@@ -334,21 +326,14 @@ mod tests {
             // torch widens bf16 by a shift, keeping NaN payloads that `half` would quiet.
             let f = bf16_to_f32(bits);
             let want = bf16::from_bits(bits).to_f32();
-            assert!(
-                f.to_bits() == want.to_bits() || (f.is_nan() && want.is_nan()),
-                "{bits:#x}"
-            );
+            assert!(f.to_bits() == want.to_bits() || (f.is_nan() && want.is_nan()), "{bits:#x}");
             assert_eq!(f.to_bits() >> 16, bits as u32);
         }
         // Every f32 whose top 16 bits cover all patterns, with low halves at the rounding edges.
         for hi in 0..=u16::MAX as u32 {
             for lo in [0u32, 0x7FFF, 0x8000, 0x8001, 0xFFFF] {
                 let f = f32::from_bits((hi << 16) | lo);
-                let want = if f.is_nan() {
-                    0x7FC0
-                } else {
-                    bf16::from_f32(f).to_bits()
-                };
+                let want = if f.is_nan() { 0x7FC0 } else { bf16::from_f32(f).to_bits() };
                 assert_eq!(f32_to_bf16(f), want, "{:#x}", f.to_bits());
             }
         }
@@ -359,10 +344,7 @@ mod tests {
         for bits in 0..=u16::MAX {
             let f = f16_to_f32(bits);
             let want = f16::from_bits(bits).to_f32();
-            assert!(
-                f.to_bits() == want.to_bits() || (f.is_nan() && want.is_nan()),
-                "{bits:#x}"
-            );
+            assert!(f.to_bits() == want.to_bits() || (f.is_nan() && want.is_nan()), "{bits:#x}");
         }
         // f32 values around every f16 value and halfway point, plus the extremes.
         for bits in 0..=u16::MAX {
@@ -371,12 +353,7 @@ mod tests {
                 continue;
             }
             let b = base.to_bits();
-            for f in [
-                base,
-                f32::from_bits(b + 1),
-                f32::from_bits(b.wrapping_sub(1)),
-                f32::from_bits(b + 0x1000),
-            ] {
+            for f in [base, f32::from_bits(b + 1), f32::from_bits(b.wrapping_sub(1)), f32::from_bits(b + 0x1000)] {
                 if f.is_nan() {
                     continue; // NaN encodings are checked below: torch's, not half's.
                 }

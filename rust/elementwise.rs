@@ -9,13 +9,18 @@ use crate::tensor::{Slice, SliceMut, PARALLEL_MIN};
 use crate::with_slice;
 use rayon::prelude::*;
 
+fn segments_of(tensors: Vec<SliceMut<'_>>) -> Vec<SliceMut<'_>> {
+    let mut tagged = Vec::new();
+    for t in tensors {
+        t.segments_into(0, &mut tagged);
+    }
+    tagged.into_iter().map(|(_, s)| s).collect()
+}
+
 /// Splits every tensor into segments and runs `f` on each, in parallel when the call is big.
 fn for_each_segment<'a>(tensors: Vec<SliceMut<'a>>, f: impl Fn(SliceMut<'a>) + Sync + Send) {
     let total: usize = tensors.iter().map(SliceMut::len).sum();
-    let mut segments = Vec::new();
-    for t in tensors {
-        t.segments_into(&mut segments);
-    }
+    let segments = segments_of(tensors);
     if total >= PARALLEL_MIN {
         segments.into_par_iter().for_each(f);
     } else {
@@ -24,28 +29,19 @@ fn for_each_segment<'a>(tensors: Vec<SliceMut<'a>>, f: impl Fn(SliceMut<'a>) + S
 }
 
 /// Like [`for_each_segment`], with `any` over a per-segment boolean.
-fn any_segment<'a>(
-    tensors: Vec<SliceMut<'a>>,
-    f: impl Fn(SliceMut<'a>) -> bool + Sync + Send,
-) -> bool {
+fn any_segment<'a>(tensors: Vec<SliceMut<'a>>, f: impl Fn(SliceMut<'a>) -> bool + Sync + Send) -> bool {
     let total: usize = tensors.iter().map(SliceMut::len).sum();
-    let mut segments = Vec::new();
-    for t in tensors {
-        t.segments_into(&mut segments);
-    }
+    let segments = segments_of(tensors);
     if total >= PARALLEL_MIN {
         // `map` then `reduce`, not `any`: every segment must run, `any` would stop early.
-        segments
-            .into_par_iter()
-            .map(f)
-            .reduce(|| false, |a, b| a | b)
+        segments.into_par_iter().map(f).reduce(|| false, |a, b| a | b)
     } else {
         segments.into_iter().fold(false, |acc, s| f(s) | acc)
     }
 }
 
 multiversion! {
-    fn scale_typed<T: Storage>(xs: &mut [T], s: f64) {
+    pub(crate) fn scale_typed<T: Storage>(xs: &mut [T], s: f64) {
         let s = <T::Math as Real>::from_f64(s);
         for x in xs.iter_mut() {
             *x = (<T::Math as Real>::get(*x) * s).put();
@@ -60,19 +56,22 @@ pub fn scale(tensors: Vec<SliceMut<'_>>, scale: f64) {
     if scale == 1.0 {
         return;
     }
-    for_each_segment(tensors, |seg| {
-        with_slice!(SliceMut, seg, |x| scale_typed(x, scale))
-    });
+    for_each_segment(tensors, |seg| with_slice!(SliceMut, seg, |x| scale_typed(x, scale)));
 }
 
 /// Clip coefficient `min(max_norm / (total_norm + 1e-6), 1)` computed exactly as torch does
-/// in the dtype of `total_norm`: `(total + 1e-6)`, its reciprocal, and the product with
-/// `max_norm`, each rounded to that dtype (torch evaluates `max_norm / t` as
-/// `t.reciprocal() * max_norm`). NaN stays NaN; the clamp is `clamp(max=1)`.
+/// for a `total_norm` tensor of dtype `dtype`: torch evaluates `max_norm / (t + 1e-6)` as
+/// `(t + 1e-6).reciprocal() * max_norm` then `clamp(max=1)`, each op in float (double for
+/// float64) with the Python scalars kept in that precision, each result rounded to `dtype`.
+/// NaN stays NaN.
 pub fn clip_coef(total_norm: f64, max_norm: f64, dtype: DType) -> f64 {
-    let r = |v: f64| dtype.round(v);
-    let denom = r(r(total_norm) + r(1e-6));
-    let coef = r(r(1.0 / denom) * r(max_norm));
+    let coef = if dtype == DType::F64 {
+        (1.0 / (total_norm + 1e-6)) * max_norm
+    } else {
+        let r = |v: f32| dtype.round(v as f64) as f32;
+        let denom = r(total_norm as f32 + 1e-6f32);
+        r(r(1.0 / denom) * max_norm as f32) as f64
+    };
     if coef > 1.0 {
         1.0
     } else {
@@ -104,13 +103,9 @@ multiversion! {
 /// reads (the values would not change).
 pub fn unscale_and_check(tensors: Vec<SliceMut<'_>>, inv_scale: f64) -> bool {
     if inv_scale == 1.0 {
-        return any_segment(tensors, |seg| {
-            with_slice!(SliceMut, seg, |x| has_non_finite(&*x))
-        });
+        return any_segment(tensors, |seg| with_slice!(SliceMut, seg, |x| has_non_finite(&*x)));
     }
-    any_segment(tensors, |seg| {
-        with_slice!(SliceMut, seg, |x| unscale_typed(x, inv_scale))
-    })
+    any_segment(tensors, |seg| with_slice!(SliceMut, seg, |x| unscale_typed(x, inv_scale)))
 }
 
 multiversion! {
@@ -127,9 +122,7 @@ multiversion! {
 /// `lo <= x <= hi` by `x = min(max(x, lo), hi)` with NaN kept, as torch's
 /// `clamp_min_` followed by `clamp_max_` (so `lo > hi` gives `hi` everywhere).
 pub fn clamp(tensors: Vec<SliceMut<'_>>, lo: f64, hi: f64) {
-    for_each_segment(tensors, |seg| {
-        with_slice!(SliceMut, seg, |x| clamp_typed(x, lo, hi))
-    });
+    for_each_segment(tensors, |seg| with_slice!(SliceMut, seg, |x| clamp_typed(x, lo, hi)));
 }
 
 /// `dst[i] += alpha * src[i]` element-wise. The arithmetic is `f64` if either side is `f64`,
@@ -137,36 +130,24 @@ pub fn clamp(tensors: Vec<SliceMut<'_>>, lo: f64, hi: f64) {
 /// rounding).
 pub fn accumulate(dst: Vec<SliceMut<'_>>, src: &[Slice<'_>], alpha: f64) -> Result<()> {
     if dst.len() != src.len() {
-        return Err(Error::LengthMismatch {
-            what: "accumulate",
-            left: dst.len(),
-            right: src.len(),
-        });
+        return Err(Error::LengthMismatch { what: "accumulate", left: dst.len(), right: src.len() });
     }
     for (index, (d, s)) in dst.iter().zip(src).enumerate() {
         if d.len() != s.len() {
-            return Err(Error::NumelMismatch {
-                index,
-                dst: d.len(),
-                src: s.len(),
-            });
+            return Err(Error::NumelMismatch { index, dst: d.len(), src: s.len() });
         }
     }
     let total: usize = src.iter().map(Slice::len).sum();
     let mut pairs = Vec::new();
     for (d, s) in dst.into_iter().zip(src) {
         let mut ds = Vec::new();
-        d.segments_into(&mut ds);
+        d.segments_into(0, &mut ds);
         let mut ss = Vec::new();
         s.segments_into(0, &mut ss);
-        pairs.extend(ds.into_iter().zip(ss.into_iter().map(|(_, s)| s)));
+        pairs.extend(ds.into_iter().zip(ss).map(|((_, d), (_, s))| (d, s)));
     }
     let work = |(d, s): (SliceMut<'_>, Slice<'_>)| {
-        with_slice!(SliceMut, d, |d| with_slice!(
-            Slice,
-            s,
-            |s| accumulate_typed(d, s, alpha)
-        ))
+        with_slice!(SliceMut, d, |d| with_slice!(Slice, s, |s| accumulate_typed(d, s, alpha)))
     };
     if total >= PARALLEL_MIN {
         pairs.into_par_iter().for_each(work);
@@ -230,6 +211,10 @@ mod tests {
         assert_eq!(clip_coef(f64::INFINITY, 1.0, DType::F32), 0.0);
         // In f64 the 1e-6 is not rounded to f32.
         assert_eq!(clip_coef(3.0, 1.5, DType::F64), (1.0 / (3.0 + 1e-6)) * 1.5);
+        // A bf16 total: every intermediate is rounded to bf16, but not the scalars.
+        let r = |v: f32| bf16::from_f32(v).to_f32();
+        let want = r(r(1.0 / r(2.5f32 + 1e-6)) * 0.3f32);
+        assert_eq!(clip_coef(2.5, 0.3, DType::BF16), want as f64);
     }
 
     #[test]
@@ -261,9 +246,7 @@ mod tests {
     #[test]
     fn accumulate_mixed_dtypes() {
         let mut main = vec![1.0f32; SEGMENT + 9];
-        let g: Vec<bf16> = (0..SEGMENT + 9)
-            .map(|i| bf16::from_f32((i % 7) as f32))
-            .collect();
+        let g: Vec<bf16> = (0..SEGMENT + 9).map(|i| bf16::from_f32((i % 7) as f32)).collect();
         accumulate(vec![SliceMut::F32(&mut main)], &[Slice::BF16(&g)], 0.5).unwrap();
         for (i, v) in main.iter().enumerate() {
             assert_eq!(*v, 1.0 + 0.5 * (i % 7) as f32);
@@ -279,14 +262,7 @@ mod tests {
         let mut d = vec![0.0f32; 3];
         let s = vec![1.0f32; 2];
         let r = accumulate(vec![SliceMut::F32(&mut d)], &[Slice::F32(&s)], 1.0);
-        assert_eq!(
-            r,
-            Err(Error::NumelMismatch {
-                index: 0,
-                dst: 3,
-                src: 2
-            })
-        );
+        assert_eq!(r, Err(Error::NumelMismatch { index: 0, dst: 3, src: 2 }));
         assert_eq!(d, vec![0.0; 3]);
         let r = accumulate(vec![], &[Slice::F32(&s)], 1.0);
         assert!(matches!(r, Err(Error::LengthMismatch { .. })));

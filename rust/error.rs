@@ -8,32 +8,17 @@ pub enum Error {
     /// A dtype code the core does not know (the Python layer sends 0..=3).
     UnknownDType { index: usize, code: u8 },
     /// A tensor address that is not a multiple of its element size.
-    Misaligned {
-        index: usize,
-        addr: usize,
-        align: usize,
-    },
+    Misaligned { index: usize, addr: usize, align: usize },
     /// A null address for a tensor with elements.
     NullData { index: usize },
     /// Two parallel lists (addresses, sizes, dtypes, or dst/src) of different lengths.
-    LengthMismatch {
-        what: &'static str,
-        left: usize,
-        right: usize,
-    },
+    LengthMismatch { what: &'static str, left: usize, right: usize },
     /// `dst[index]` and `src[index]` have different numbers of elements.
-    NumelMismatch {
-        index: usize,
-        dst: usize,
-        src: usize,
-    },
+    NumelMismatch { index: usize, dst: usize, src: usize },
     /// An inf, -inf or negative-order norm of an empty tensor (torch has no identity for it).
     EmptyNorm { index: usize, p: f64 },
     /// The memory of two tensors, each named by its list and index, overlaps and at least one is written.
-    Overlap {
-        first: (String, usize),
-        second: (String, usize),
-    },
+    Overlap { first: (String, usize), second: (String, usize) },
     /// A norm order that is NaN.
     BadNormType { p: f64 },
 }
@@ -105,30 +90,11 @@ mod tests {
 
     #[test]
     fn messages_name_the_index() {
-        let m = Error::NumelMismatch {
-            index: 3,
-            dst: 4,
-            src: 5,
-        }
-        .message("dst", "src");
-        assert!(
-            m.contains("dst[3] has 4") && m.contains("src[3] has 5"),
-            "{m}"
-        );
-        let m = Error::Overlap {
-            first: ("grads".into(), 1),
-            second: ("grads".into(), 7),
-        }
-        .to_string();
+        let m = Error::NumelMismatch { index: 3, dst: 4, src: 5 }.message("dst", "src");
+        assert!(m.contains("dst[3] has 4") && m.contains("src[3] has 5"), "{m}");
+        let m = Error::Overlap { first: ("grads".into(), 1), second: ("grads".into(), 7) }.to_string();
         assert!(m.contains("grads[1]") && m.contains("grads[7]"), "{m}");
-        let m = Error::EmptyNorm {
-            index: 2,
-            p: f64::INFINITY,
-        }
-        .message("grads", "");
-        assert!(
-            m.starts_with("linalg.vector_norm cannot compute the inf norm on an empty tensor"),
-            "{m}"
-        );
+        let m = Error::EmptyNorm { index: 2, p: f64::INFINITY }.message("grads", "");
+        assert!(m.starts_with("linalg.vector_norm cannot compute the inf norm on an empty tensor"), "{m}");
     }
 }

@@ -7,9 +7,10 @@
 //! rounds the result to the output dtype.
 
 use crate::dtype::{Real, Storage};
+use crate::elementwise::scale_typed;
 use crate::error::{Error, Result};
 use crate::multiversion;
-use crate::tensor::{Slice, PARALLEL_MIN};
+use crate::tensor::{Slice, SliceMut, PARALLEL_MIN};
 use crate::with_slice;
 use rayon::prelude::*;
 
@@ -110,9 +111,7 @@ impl NormKind {
         if self == NormKind::Zero {
             return raws.iter().filter(|&&r| r != 0.0).count() as f64;
         }
-        let raw = raws
-            .iter()
-            .fold(self.identity(), |acc, &r| self.combine(acc, r));
+        let raw = raws.iter().fold(self.identity(), |acc, &r| self.combine(acc, r));
         self.finish(raw)
     }
 }
@@ -143,11 +142,7 @@ const ROWS: usize = 16;
 /// and passed through `g` in the element's arithmetic type, summed as described at [`ROWS`];
 /// with `UNSCALE` also whether any `x` was inf/NaN.
 #[inline(always)]
-fn lane_sum<T: Storage, const UNSCALE: bool>(
-    xs: &[T],
-    inv: T::Math,
-    g: impl Fn(T::Math) -> T::Math,
-) -> (f64, bool) {
+fn lane_sum<T: Storage, const UNSCALE: bool>(xs: &[T], inv: T::Math, g: impl Fn(T::Math) -> T::Math) -> (f64, bool) {
     let zero = <T::Math as Real>::ZERO;
     let mut acc = [0f64; LANES];
     let mut bad = [false; LANES];
@@ -176,18 +171,12 @@ fn lane_sum<T: Storage, const UNSCALE: bool>(
         tail_bad |= !x.is_finite();
         tail += g(if UNSCALE { x * inv } else { x }).to_f64();
     }
-    (
-        pairwise(&mut acc) + tail,
-        UNSCALE && (tail_bad || bad.iter().any(|&b| b)),
-    )
+    (pairwise(&mut acc) + tail, UNSCALE && (tail_bad || bad.iter().any(|&b| b)))
 }
 
 /// `max |u|` (or `min |u|` when `MIN`) with `u` as in [`lane_sum`]; NaN if any `u` is NaN.
 #[inline(always)]
-fn lane_extreme<T: Storage, const UNSCALE: bool, const MIN: bool>(
-    xs: &[T],
-    inv: T::Math,
-) -> (f64, bool) {
+fn lane_extreme<T: Storage, const UNSCALE: bool, const MIN: bool>(xs: &[T], inv: T::Math) -> (f64, bool) {
     let start = if MIN { f64::INFINITY } else { 0.0 };
     let mut m = [<T::Math as Real>::from_f64(start); LANES];
     let mut nan = [false; LANES];
@@ -211,22 +200,12 @@ fn lane_extreme<T: Storage, const UNSCALE: bool, const MIN: bool>(
         any_bad |= !x.is_finite();
         let a = (if UNSCALE { x * inv } else { x }).abs();
         any_nan |= a.is_nan();
-        r = if MIN {
-            r.min(a.to_f64())
-        } else {
-            r.max(a.to_f64())
-        };
+        r = if MIN { r.min(a.to_f64()) } else { r.max(a.to_f64()) };
     }
     let value = if any_nan {
         f64::NAN
     } else {
-        m.iter().fold(r, |acc, &v| {
-            if MIN {
-                acc.min(v.to_f64())
-            } else {
-                acc.max(v.to_f64())
-            }
-        })
+        m.iter().fold(r, |acc, &v| if MIN { acc.min(v.to_f64()) } else { acc.max(v.to_f64()) })
     };
     (value, UNSCALE && any_bad)
 }
@@ -244,9 +223,7 @@ fn reduce<T: Storage, const UNSCALE: bool>(kind: NormKind, xs: &[T], inv: T::Mat
             }
         }),
         // General orders: the power in f64 (exact enough for any p), each term then rounded once.
-        NormKind::P(p) => lane_sum::<T, UNSCALE>(xs, inv, |v| {
-            <T::Math as Real>::from_f64(v.to_f64().abs().powf(p))
-        }),
+        NormKind::P(p) => lane_sum::<T, UNSCALE>(xs, inv, |v| <T::Math as Real>::from_f64(v.to_f64().abs().powf(p))),
         NormKind::Inf => lane_extreme::<T, UNSCALE, false>(xs, inv),
         NormKind::NegInf => lane_extreme::<T, UNSCALE, true>(xs, inv),
     }
@@ -274,43 +251,46 @@ pub struct NormResult {
     pub found_inf: bool,
 }
 
-fn check_nonempty(kind: NormKind, tensors: &[Slice<'_>]) -> Result<()> {
+fn check_nonempty(kind: NormKind, mut lens: impl Iterator<Item = usize>) -> Result<()> {
     if kind.needs_elements() {
-        if let Some(index) = tensors.iter().position(|t| t.is_empty()) {
-            return Err(Error::EmptyNorm {
-                index,
-                p: kind.order(),
-            });
+        if let Some(index) = lens.position(|n| n == 0) {
+            return Err(Error::EmptyNorm { index, p: kind.order() });
         }
     }
     Ok(())
 }
 
+/// Combines per-segment partials (`tags[k]` is the tensor of segment `k`) in index order.
+fn combine(kind: NormKind, n_tensors: usize, tags: &[usize], partials: &[(f64, bool)]) -> NormResult {
+    let mut raws = vec![kind.identity(); n_tensors];
+    let mut found_inf = false;
+    for (&t, &(raw, bad)) in tags.iter().zip(partials) {
+        raws[t] = kind.combine(raws[t], raw);
+        found_inf |= bad;
+    }
+    NormResult { total: kind.total(&raws), per_tensor: raws.iter().map(|&r| kind.finish(r)).collect(), found_inf }
+}
+
+/// Runs `work` on every segment, in parallel when the call is big, keeping segment order.
+fn map_segments<S: Send, R: Send>(segments: Vec<S>, total_len: usize, work: impl Fn(S) -> R + Sync + Send) -> Vec<R> {
+    if total_len >= PARALLEL_MIN {
+        segments.into_par_iter().map(work).collect()
+    } else {
+        segments.into_iter().map(work).collect()
+    }
+}
+
 fn run(kind: NormKind, tensors: &[Slice<'_>], unscale: Option<f64>) -> Result<NormResult> {
-    check_nonempty(kind, tensors)?;
+    check_nonempty(kind, tensors.iter().map(Slice::len))?;
     let mut segments = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
         t.segments_into(i, &mut segments);
     }
-    let work =
-        |&(_, s): &(usize, Slice<'_>)| with_slice!(Slice, s, |x| reduce_segment(kind, x, unscale));
-    let total_len: usize = tensors.iter().map(Slice::len).sum();
-    let partials: Vec<(f64, bool)> = if total_len >= PARALLEL_MIN {
-        segments.par_iter().map(work).collect()
-    } else {
-        segments.iter().map(work).collect()
-    };
-    let mut raws = vec![kind.identity(); tensors.len()];
-    let mut found_inf = false;
-    for (&(t, _), &(raw, bad)) in segments.iter().zip(&partials) {
-        raws[t] = kind.combine(raws[t], raw);
-        found_inf |= bad;
-    }
-    Ok(NormResult {
-        total: kind.total(&raws),
-        per_tensor: raws.iter().map(|&r| kind.finish(r)).collect(),
-        found_inf,
-    })
+    let tags: Vec<usize> = segments.iter().map(|&(t, _)| t).collect();
+    let total_len = tensors.iter().map(Slice::len).sum();
+    let partials =
+        map_segments(segments, total_len, |(_, s)| with_slice!(Slice, s, |x| reduce_segment(kind, x, unscale)));
+    Ok(combine(kind, tensors.len(), &tags, &partials))
 }
 
 /// The p-norm of every tensor and of all of them together (torch's `get_total_norm`).
@@ -323,6 +303,32 @@ pub fn norm(tensors: &[Slice<'_>], p: f64) -> Result<NormResult> {
 /// `x` is inf or NaN.
 pub fn unscale_check_norm(tensors: &[Slice<'_>], inv_scale: f64, p: f64) -> Result<NormResult> {
     run(NormKind::from_order(p)?, tensors, Some(inv_scale))
+}
+
+/// In one read-write pass: `x *= inv_scale` in place (formed in the tensor's arithmetic type)
+/// and, exactly as [`unscale_check_norm`] would report them, the norm of the unscaled values
+/// and whether any input was inf/NaN. Each segment is reduced, then scaled while it is still
+/// in cache, so memory is read and written once.
+pub fn unscale_norm_(tensors: Vec<SliceMut<'_>>, inv_scale: f64, p: f64) -> Result<NormResult> {
+    let kind = NormKind::from_order(p)?;
+    check_nonempty(kind, tensors.iter().map(SliceMut::len))?;
+    let n_tensors = tensors.len();
+    let total_len = tensors.iter().map(SliceMut::len).sum();
+    let mut segments = Vec::new();
+    for (i, t) in tensors.into_iter().enumerate() {
+        t.segments_into(i, &mut segments);
+    }
+    let tags: Vec<usize> = segments.iter().map(|(t, _)| *t).collect();
+    let partials = map_segments(segments, total_len, |(_, s)| {
+        with_slice!(SliceMut, s, |x| {
+            let r = reduce_segment(kind, &*x, Some(inv_scale));
+            if inv_scale != 1.0 {
+                scale_typed(x, inv_scale);
+            }
+            r
+        })
+    });
+    Ok(combine(kind, n_tensors, &tags, &partials))
 }
 
 #[cfg(test)]
@@ -341,10 +347,7 @@ mod tests {
         if p == 0.0 {
             return xs.iter().filter(|x| **x != 0.0).count() as f64;
         }
-        xs.iter()
-            .map(|x| x.abs().powf(p))
-            .sum::<f64>()
-            .powf(1.0 / p)
+        xs.iter().map(|x| x.abs().powf(p)).sum::<f64>().powf(1.0 / p)
     }
 
     fn data(n: usize, seed: u64) -> Vec<f64> {
@@ -365,16 +368,7 @@ mod tests {
         let xs = data(n, 7);
         let x32: Vec<f32> = xs.iter().map(|&v| v as f32).collect();
         let x32d: Vec<f64> = x32.iter().map(|&v| v as f64).collect();
-        for p in [
-            2.0,
-            1.0,
-            0.0,
-            3.5,
-            0.5,
-            -1.5,
-            f64::INFINITY,
-            f64::NEG_INFINITY,
-        ] {
+        for p in [2.0, 1.0, 0.0, 3.5, 0.5, -1.5, f64::INFINITY, f64::NEG_INFINITY] {
             let got = norm(&[Slice::F32(&x32)], p).unwrap();
             let want = reference(&x32d, p);
             let one = got.per_tensor[0];
@@ -418,21 +412,12 @@ mod tests {
     fn empty_tensors() {
         let e: [f32; 0] = [];
         let a = [2.0f32];
-        assert_eq!(
-            norm(&[Slice::F32(&e), Slice::F32(&a)], 2.0).unwrap().total,
-            2.0
-        );
+        assert_eq!(norm(&[Slice::F32(&e), Slice::F32(&a)], 2.0).unwrap().total, 2.0);
         assert_eq!(norm(&[], 2.0).unwrap().total, 0.0);
         for p in [f64::INFINITY, f64::NEG_INFINITY, -2.0] {
-            assert_eq!(
-                norm(&[Slice::F32(&a), Slice::F32(&e)], p),
-                Err(Error::EmptyNorm { index: 1, p })
-            );
+            assert_eq!(norm(&[Slice::F32(&a), Slice::F32(&e)], p), Err(Error::EmptyNorm { index: 1, p }));
         }
-        assert!(matches!(
-            norm(&[Slice::F32(&a)], f64::NAN),
-            Err(Error::BadNormType { .. })
-        ));
+        assert!(matches!(norm(&[Slice::F32(&a)], f64::NAN), Err(Error::BadNormType { .. })));
     }
 
     #[test]
@@ -441,10 +426,7 @@ mod tests {
         let ones_b = vec![bf16::ONE; 100_000];
         let ones_h = vec![f16::ONE; 100_000];
         assert_eq!(norm(&[Slice::BF16(&ones_b)], 1.0).unwrap().total, 100_000.0);
-        assert_eq!(
-            norm(&[Slice::F16(&ones_h)], 2.0).unwrap().total,
-            100_000f64.sqrt()
-        );
+        assert_eq!(norm(&[Slice::F16(&ones_h)], 2.0).unwrap().total, 100_000f64.sqrt());
         // f16 squares above 65504 must not overflow.
         let big = vec![f16::from_f32(60000.0); 4];
         assert_eq!(norm(&[Slice::F16(&big)], 2.0).unwrap().total, 120000.0);
@@ -452,18 +434,9 @@ mod tests {
 
     #[test]
     fn deterministic_regardless_of_threads() {
-        let xs: Vec<f32> = data(SEGMENT * 5 + 3, 11)
-            .iter()
-            .map(|&v| v as f32)
-            .collect();
-        let one = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
-        let four = rayon::ThreadPoolBuilder::new()
-            .num_threads(4)
-            .build()
-            .unwrap();
+        let xs: Vec<f32> = data(SEGMENT * 5 + 3, 11).iter().map(|&v| v as f32).collect();
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let four = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
         let a = one.install(|| norm(&[Slice::F32(&xs)], 2.0).unwrap());
         let b = four.install(|| norm(&[Slice::F32(&xs)], 2.0).unwrap());
         assert_eq!(a.total.to_bits(), b.total.to_bits());
@@ -479,6 +452,18 @@ mod tests {
         let bad = [1.0f32, f32::INFINITY];
         let r = unscale_check_norm(&[Slice::F32(&xs), Slice::F32(&bad)], 0.5, 2.0).unwrap();
         assert!(r.found_inf);
+        // The in-place variant reports the same and leaves the unscaled values behind.
+        let mut ys = [2.0f32, -4.0, 8.0, f32::NAN];
+        let mut h2 = [f16::from_f32(3.0); SEGMENT + 1];
+        let r2 = unscale_norm_(vec![SliceMut::F32(&mut ys[..3]), SliceMut::F16(&mut h2)], 0.5, 2.0).unwrap();
+        let want = unscale_check_norm(
+            &[Slice::F32(&[2.0, -4.0, 8.0]), Slice::F16(&[f16::from_f32(3.0); SEGMENT + 1])],
+            0.5,
+            2.0,
+        );
+        assert_eq!(r2, want.unwrap());
+        assert_eq!(&ys[..3], &[1.0, -2.0, 4.0]);
+        assert!(h2.iter().all(|v| v.to_f32() == 1.5));
         // fp16 values scaled by 2^-16 underflow in f16 storage, but not in the f32 math.
         let h = [f16::from_f32(1.0); 2];
         let r = unscale_check_norm(&[Slice::F16(&h)], 2f64.powi(-30), 1.0).unwrap();

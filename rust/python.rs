@@ -21,12 +21,16 @@ struct TensorList {
     /// The argument's name in the public API (`grads`, `dst`, ...), for error messages.
     name: String,
     tensors: Vec<RawTensor>,
+    /// Whether kernels may write these tensors; then they were checked pairwise disjoint
+    /// when the list was made, before any kernel of the call runs.
+    writable: bool,
 }
 
 #[pymethods]
 impl TensorList {
     #[new]
-    fn new(name: String, addrs: Vec<usize>, numels: Vec<usize>, codes: Vec<u8>) -> PyResult<Self> {
+    #[pyo3(signature = (name, addrs, numels, codes, writable=false))]
+    fn new(name: String, addrs: Vec<usize>, numels: Vec<usize>, codes: Vec<u8>, writable: bool) -> PyResult<Self> {
         if addrs.len() != numels.len() || addrs.len() != codes.len() {
             return Err(PyValueError::new_err(format!(
                 "{name}: {} addresses, {} sizes and {} dtype codes",
@@ -43,7 +47,11 @@ impl TensorList {
             .map(|(i, ((&a, &n), &c))| RawTensor::new(i, a, n, c))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| to_py(e, &name, ""))?;
-        Ok(TensorList { name, tensors })
+        let list = TensorList { name, tensors, writable };
+        if writable {
+            list.check_disjoint(None).map_err(|e| list.err(e))?;
+        }
+        Ok(list)
     }
 
     fn __len__(&self) -> usize {
@@ -52,12 +60,7 @@ impl TensorList {
 
     fn __repr__(&self) -> String {
         let numel: usize = self.tensors.iter().map(|t| t.numel).sum();
-        format!(
-            "TensorList({}, {} tensors, {} elements)",
-            self.name,
-            self.tensors.len(),
-            numel
-        )
+        format!("TensorList({}, {} tensors, {} elements)", self.name, self.tensors.len(), numel)
     }
 }
 
@@ -69,11 +72,9 @@ impl TensorList {
         self.tensors.iter().map(|t| unsafe { t.slice() }).collect()
     }
 
-    /// Exclusive views, after checking that no two of them overlap (and none overlaps `reads`).
-    fn slices_mut(
-        &self,
-        reads: Option<(&TensorList, &[bool])>,
-    ) -> Result<Vec<SliceMut<'_>>, Error> {
+    /// Checks that no two of these tensors overlap, nor any of them one of `reads` (except a
+    /// read flagged as identical to the target at its index).
+    fn check_disjoint(&self, reads: Option<(&TensorList, &[bool])>) -> Result<(), Error> {
         let mut ranges: Vec<(usize, usize, bool)> = self
             .tensors
             .iter()
@@ -95,18 +96,23 @@ impl TensorList {
                 Some((src, _)) if k >= n => (src.name.clone(), k - n),
                 _ => (self.name.clone(), k),
             };
-            return Err(Error::Overlap {
-                first: label(i),
-                second: label(j),
-            });
+            return Err(Error::Overlap { first: label(i), second: label(j) });
         }
-        // SAFETY: validated in `new`, live (module docs), and pairwise disjoint from each other
-        // and from every other view made during this call (checked just above).
-        Ok(self
-            .tensors
-            .iter()
-            .map(|t| unsafe { t.slice_mut() })
-            .collect())
+        Ok(())
+    }
+
+    /// Exclusive views of a writable list; `reads` are the other tensors of the call.
+    fn slices_mut(&self, reads: Option<(&TensorList, &[bool])>) -> PyResult<Vec<SliceMut<'_>>> {
+        if !self.writable {
+            return Err(PyValueError::new_err(format!("{} was not made writable", self.name)));
+        }
+        if let Some((src, _)) = reads {
+            self.check_disjoint(reads).map_err(|e| to_py(e, &self.name, &src.name))?;
+        }
+        // SAFETY: validated in `new`, live (module docs), pairwise disjoint (checked in `new`;
+        // the list is frozen) and disjoint from the call's other tensors (checked just above:
+        // the only other views of a call are the read views of `reads`).
+        Ok(self.tensors.iter().map(|t| unsafe { t.slice_mut() }).collect())
     }
 
     fn err(&self, e: Error) -> PyErr {
@@ -126,9 +132,7 @@ fn to_py(e: Error, list: &str, other: &str) -> PyErr {
 fn out_dtype(code: u8) -> PyResult<DType> {
     match DType::from_code(code) {
         Some(d @ (DType::F32 | DType::F64)) => Ok(d),
-        _ => Err(PyTypeError::new_err(format!(
-            "norm outputs are float32 or float64, got dtype code {code}"
-        ))),
+        _ => Err(PyTypeError::new_err(format!("norm outputs are float32 or float64, got dtype code {code}"))),
     }
 }
 
@@ -143,15 +147,12 @@ unsafe fn write_out(addr: usize, dtype: DType, values: &[f64]) -> PyResult<()> {
         return Ok(());
     }
     if addr == 0 || addr % dtype.size() != 0 {
-        return Err(PyValueError::new_err(format!(
-            "bad output address {addr:#x}"
-        )));
+        return Err(PyValueError::new_err(format!("bad output address {addr:#x}")));
     }
     // SAFETY: non-null and aligned (checked); size, liveness and exclusivity per the contract.
     unsafe {
         match dtype {
-            DType::F64 => std::slice::from_raw_parts_mut(addr as *mut f64, values.len())
-                .copy_from_slice(values),
+            DType::F64 => std::slice::from_raw_parts_mut(addr as *mut f64, values.len()).copy_from_slice(values),
             _ => {
                 let out = std::slice::from_raw_parts_mut(addr as *mut f32, values.len());
                 out.iter_mut().zip(values).for_each(|(o, v)| *o = *v as f32);
@@ -161,12 +162,7 @@ unsafe fn write_out(addr: usize, dtype: DType, values: &[f64]) -> PyResult<()> {
     Ok(())
 }
 
-fn write_norms(
-    r: &NormResult,
-    total_addr: usize,
-    per_tensor_addr: usize,
-    dtype: DType,
-) -> PyResult<f64> {
+fn write_norms(r: &NormResult, total_addr: usize, per_tensor_addr: usize, dtype: DType) -> PyResult<f64> {
     let total = dtype.round(r.total);
     // SAFETY: both addresses come from tensors `gradfuse._cpu` allocates for this call
     // (0-d for the total, one element per tensor for the per-tensor norms).
@@ -193,9 +189,7 @@ fn norm(
 ) -> PyResult<f64> {
     let tl = tensors.get();
     let dtype = out_dtype(out_code)?;
-    let r = py
-        .detach(|| norms::norm(&tl.slices(), norm_type))
-        .map_err(|e| tl.err(e))?;
+    let r = py.detach(|| norms::norm(&tl.slices(), norm_type)).map_err(|e| tl.err(e))?;
     write_norms(&r, total_addr, per_tensor_addr, dtype)
 }
 
@@ -212,9 +206,26 @@ fn unscale_check_norm(
 ) -> PyResult<(f64, bool)> {
     let tl = tensors.get();
     let dtype = out_dtype(out_code)?;
-    let r = py
-        .detach(|| norms::unscale_check_norm(&tl.slices(), inv_scale, norm_type))
-        .map_err(|e| tl.err(e))?;
+    let r = py.detach(|| norms::unscale_check_norm(&tl.slices(), inv_scale, norm_type)).map_err(|e| tl.err(e))?;
+    Ok((write_norms(&r, total_addr, 0, dtype)?, r.found_inf))
+}
+
+/// One read-write pass: `x *= inv_scale` in place, and the norm of the unscaled values and
+/// whether any `x` was inf/NaN (as `unscale_check_norm` reports them). Writes the total as
+/// `out_code`; returns `(total, found_inf)`.
+#[pyfunction]
+fn unscale_norm_(
+    py: Python<'_>,
+    tensors: &Bound<'_, TensorList>,
+    inv_scale: f64,
+    norm_type: f64,
+    total_addr: usize,
+    out_code: u8,
+) -> PyResult<(f64, bool)> {
+    let tl = tensors.get();
+    let dtype = out_dtype(out_code)?;
+    let views = tl.slices_mut(None)?;
+    let r = py.detach(|| norms::unscale_norm_(views, inv_scale, norm_type)).map_err(|e| tl.err(e))?;
     Ok((write_norms(&r, total_addr, 0, dtype)?, r.found_inf))
 }
 
@@ -222,7 +233,7 @@ fn unscale_check_norm(
 #[pyfunction]
 fn scale_(py: Python<'_>, tensors: &Bound<'_, TensorList>, scale: f64) -> PyResult<()> {
     let tl = tensors.get();
-    let views = tl.slices_mut(None).map_err(|e| tl.err(e))?;
+    let views = tl.slices_mut(None)?;
     py.detach(|| elementwise::scale(views, scale));
     Ok(())
 }
@@ -231,20 +242,15 @@ fn scale_(py: Python<'_>, tensors: &Bound<'_, TensorList>, scale: f64) -> PyResu
 /// the dtype `code` (the dtype of the total-norm tensor).
 #[pyfunction]
 fn clip_coef(total_norm: f64, max_norm: f64, code: u8) -> PyResult<f64> {
-    let dtype = DType::from_code(code)
-        .ok_or_else(|| PyTypeError::new_err(format!("unknown dtype code {code}")))?;
+    let dtype = DType::from_code(code).ok_or_else(|| PyTypeError::new_err(format!("unknown dtype code {code}")))?;
     Ok(elementwise::clip_coef(total_norm, max_norm, dtype))
 }
 
 /// `x *= inv_scale` in place; returns whether any `x` was inf/NaN before scaling.
 #[pyfunction]
-fn unscale_and_check_(
-    py: Python<'_>,
-    tensors: &Bound<'_, TensorList>,
-    inv_scale: f64,
-) -> PyResult<bool> {
+fn unscale_and_check_(py: Python<'_>, tensors: &Bound<'_, TensorList>, inv_scale: f64) -> PyResult<bool> {
     let tl = tensors.get();
-    let views = tl.slices_mut(None).map_err(|e| tl.err(e))?;
+    let views = tl.slices_mut(None)?;
     Ok(py.detach(|| elementwise::unscale_and_check(views, inv_scale)))
 }
 
@@ -252,7 +258,7 @@ fn unscale_and_check_(
 #[pyfunction]
 fn clamp_(py: Python<'_>, tensors: &Bound<'_, TensorList>, lo: f64, hi: f64) -> PyResult<()> {
     let tl = tensors.get();
-    let views = tl.slices_mut(None).map_err(|e| tl.err(e))?;
+    let views = tl.slices_mut(None)?;
     py.detach(|| elementwise::clamp(views, lo, hi));
     Ok(())
 }
@@ -260,12 +266,7 @@ fn clamp_(py: Python<'_>, tensors: &Bound<'_, TensorList>, lo: f64, hi: f64) -> 
 /// `dst[i] += alpha * src[i]`. `src[i]` may be `dst[i]` itself, but no other source may
 /// overlap any target.
 #[pyfunction]
-fn accumulate_(
-    py: Python<'_>,
-    dst: &Bound<'_, TensorList>,
-    src: &Bound<'_, TensorList>,
-    alpha: f64,
-) -> PyResult<()> {
+fn accumulate_(py: Python<'_>, dst: &Bound<'_, TensorList>, src: &Bound<'_, TensorList>, alpha: f64) -> PyResult<()> {
     let (d, s) = (dst.get(), src.get());
     let named = |e: Error| to_py(e, &d.name, &s.name);
     if d.tensors.len() != s.tensors.len() {
@@ -275,37 +276,21 @@ fn accumulate_(
             right: s.tensors.len(),
         }));
     }
-    let same: Vec<bool> = d
-        .tensors
-        .iter()
-        .zip(&s.tensors)
-        .map(|(a, b)| a == b)
-        .collect();
-    let views = d.slices_mut(Some((s, &same))).map_err(named)?;
+    let same: Vec<bool> = d.tensors.iter().zip(&s.tensors).map(|(a, b)| a == b).collect();
+    let views = d.slices_mut(Some((s, &same)))?;
     let sources = s.slices();
-    py.detach(|| elementwise::accumulate(views, &sources, alpha))
-        .map_err(named)
+    py.detach(|| elementwise::accumulate(views, &sources, alpha)).map_err(named)
 }
 
 /// Indices `(i, j)` of two byte ranges `[starts[k], ends[k])` that overlap while at least one
 /// is written, or `None`.
 #[pyfunction]
-fn find_overlap(
-    starts: Vec<usize>,
-    ends: Vec<usize>,
-    written: Vec<bool>,
-) -> PyResult<Option<(usize, usize)>> {
+fn find_overlap(starts: Vec<usize>, ends: Vec<usize>, written: Vec<bool>) -> PyResult<Option<(usize, usize)>> {
     if starts.len() != ends.len() || starts.len() != written.len() {
-        return Err(PyValueError::new_err(
-            "find_overlap: starts, ends and written differ in length",
-        ));
+        return Err(PyValueError::new_err("find_overlap: starts, ends and written differ in length"));
     }
-    let ranges: Vec<(usize, usize, bool)> = starts
-        .iter()
-        .zip(&ends)
-        .zip(&written)
-        .map(|((&s, &e), &w)| (s, e, w))
-        .collect();
+    let ranges: Vec<(usize, usize, bool)> =
+        starts.iter().zip(&ends).zip(&written).map(|((&s, &e), &w)| (s, e, w)).collect();
     Ok(find_conflict(&ranges))
 }
 
@@ -320,6 +305,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TensorList>()?;
     m.add_function(wrap_pyfunction!(norm, m)?)?;
     m.add_function(wrap_pyfunction!(unscale_check_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(unscale_norm_, m)?)?;
     m.add_function(wrap_pyfunction!(scale_, m)?)?;
     m.add_function(wrap_pyfunction!(clip_coef, m)?)?;
     m.add_function(wrap_pyfunction!(unscale_and_check_, m)?)?;

@@ -81,13 +81,13 @@ impl<'a> SliceMut<'a> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// Appends this view's disjoint segments of `SEGMENT` elements to `out`.
-    pub fn segments_into(self, out: &mut Vec<SliceMut<'a>>) {
+    /// Appends this view's disjoint segments of `SEGMENT` elements to `out`, tagged with `tag`.
+    pub fn segments_into(self, tag: usize, out: &mut Vec<(usize, SliceMut<'a>)>) {
         match self {
-            SliceMut::F32(s) => out.extend(s.chunks_mut(SEGMENT).map(SliceMut::F32)),
-            SliceMut::F64(s) => out.extend(s.chunks_mut(SEGMENT).map(SliceMut::F64)),
-            SliceMut::F16(s) => out.extend(s.chunks_mut(SEGMENT).map(SliceMut::F16)),
-            SliceMut::BF16(s) => out.extend(s.chunks_mut(SEGMENT).map(SliceMut::BF16)),
+            SliceMut::F32(s) => out.extend(s.chunks_mut(SEGMENT).map(|c| (tag, SliceMut::F32(c)))),
+            SliceMut::F64(s) => out.extend(s.chunks_mut(SEGMENT).map(|c| (tag, SliceMut::F64(c)))),
+            SliceMut::F16(s) => out.extend(s.chunks_mut(SEGMENT).map(|c| (tag, SliceMut::F16(c)))),
+            SliceMut::BF16(s) => out.extend(s.chunks_mut(SEGMENT).map(|c| (tag, SliceMut::BF16(c)))),
         }
     }
 }
@@ -120,11 +120,7 @@ impl RawTensor {
         }
         let align = self.dtype.size();
         if self.addr % align != 0 {
-            return Err(Error::Misaligned {
-                index,
-                addr: self.addr,
-                align,
-            });
+            return Err(Error::Misaligned { index, addr: self.addr, align });
         }
         Ok(())
     }
@@ -196,9 +192,7 @@ impl RawTensor {
 /// `ranges[i] = (start, end, written)`. Empty ranges never overlap. Returns the indices of
 /// one conflicting pair (smaller first) or `None`. O(n log n).
 pub fn find_conflict(ranges: &[(usize, usize, bool)]) -> Option<(usize, usize)> {
-    let mut order: Vec<usize> = (0..ranges.len())
-        .filter(|&i| ranges[i].0 < ranges[i].1)
-        .collect();
+    let mut order: Vec<usize> = (0..ranges.len()).filter(|&i| ranges[i].0 < ranges[i].1).collect();
     order.sort_unstable_by_key(|&i| (ranges[i].0, i));
     // Furthest end seen so far among all ranges, and among written ranges, with their owners.
     let mut any: Option<(usize, usize)> = None;
@@ -227,24 +221,11 @@ mod tests {
 
     #[test]
     fn validate_rejects_null_and_misaligned() {
-        assert_eq!(
-            RawTensor::new(2, 0, 4, 0),
-            Err(Error::NullData { index: 2 })
-        );
+        assert_eq!(RawTensor::new(2, 0, 4, 0), Err(Error::NullData { index: 2 }));
         assert_eq!(RawTensor::new(1, 0, 0, 0).map(|t| t.numel), Ok(0));
-        assert_eq!(
-            RawTensor::new(5, 0x1002, 4, 0),
-            Err(Error::Misaligned {
-                index: 5,
-                addr: 0x1002,
-                align: 4
-            })
-        );
+        assert_eq!(RawTensor::new(5, 0x1002, 4, 0), Err(Error::Misaligned { index: 5, addr: 0x1002, align: 4 }));
         assert!(RawTensor::new(0, 0x1002, 4, 3).is_ok());
-        assert_eq!(
-            RawTensor::new(3, 0x1000, 1, 9),
-            Err(Error::UnknownDType { index: 3, code: 9 })
-        );
+        assert_eq!(RawTensor::new(3, 0x1000, 1, 9), Err(Error::UnknownDType { index: 3, code: 9 }));
     }
 
     #[test]
@@ -263,19 +244,10 @@ mod tests {
         assert_eq!(find_conflict(&[(0, 10, false), (5, 15, false)]), None);
         // Adjacent written ranges do not overlap (half-open).
         assert_eq!(find_conflict(&[(0, 10, true), (10, 20, true)]), None);
-        assert_eq!(
-            find_conflict(&[(10, 20, true), (0, 11, false)]),
-            Some((0, 1))
-        );
-        assert_eq!(
-            find_conflict(&[(0, 100, false), (200, 300, true), (50, 60, true)]),
-            Some((0, 2))
-        );
+        assert_eq!(find_conflict(&[(10, 20, true), (0, 11, false)]), Some((0, 1)));
+        assert_eq!(find_conflict(&[(0, 100, false), (200, 300, true), (50, 60, true)]), Some((0, 2)));
         // A long read range followed by a short one must still be seen by a later write.
-        assert_eq!(
-            find_conflict(&[(0, 100, false), (10, 20, false), (90, 95, true)]),
-            Some((0, 2))
-        );
+        assert_eq!(find_conflict(&[(0, 100, false), (10, 20, false), (90, 95, true)]), Some((0, 2)));
         // Empty ranges are ignored.
         assert_eq!(find_conflict(&[(5, 5, true), (0, 10, true)]), None);
     }
@@ -308,10 +280,7 @@ mod tests {
             assert_eq!(found.is_some(), brute, "{ranges:?}");
             if let Some((i, j)) = found {
                 let (a, b) = (ranges[i], ranges[j]);
-                assert!(
-                    a.0 < b.1 && b.0 < a.1 && (a.2 || b.2),
-                    "{ranges:?} -> {i},{j}"
-                );
+                assert!(a.0 < b.1 && b.0 < a.1 && (a.2 || b.2), "{ranges:?} -> {i},{j}");
             }
         }
     }

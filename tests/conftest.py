@@ -17,9 +17,7 @@ if not HAS_CUDA:
 
 # Kernels are fast but inputs are random and sizes vary: no per-example deadline. CI (2 cores,
 # Triton interpreter) uses fewer examples than a local run.
-settings.register_profile(
-    "default", deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("default", deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "default")
 

@@ -16,7 +16,8 @@ from ._plan import DTYPE_CODES, Plan, nonfinite_total_error
 
 
 def _tensor_list(plan: Plan) -> _rust.TensorList:
-    return _rust.TensorList(plan.name, plan.addrs, plan.numels, plan.codes)
+    # A writable list is checked for overlapping tensors here, before any kernel of the call.
+    return _rust.TensorList(plan.name, plan.addrs, plan.numels, plan.codes, plan.inplace)
 
 
 def _norm_into(plan: Plan, tl: _rust.TensorList, norm_type: float, per_tensor: bool):
@@ -55,27 +56,58 @@ def unscale_and_check_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Ten
         found_inf.fill_(1.0)
 
 
-def _unscale_check_norm(plan: Plan, tl, inv: float, norm_type: float):
+def unscale_check_norm(plan: Plan, inv_scale: torch.Tensor, norm_type: float):
     out = plan.out_dtype
     total = torch.empty((), dtype=out)
-    value, found = _rust.unscale_check_norm(tl, inv, norm_type, total.data_ptr(), DTYPE_CODES[out])
-    return total, value, found
-
-
-def unscale_check_norm(plan: Plan, inv_scale: torch.Tensor, norm_type: float):
-    total, _, found = _unscale_check_norm(plan, _tensor_list(plan), inv_scale.item(), norm_type)
+    _, found = _rust.unscale_check_norm(
+        _tensor_list(plan), inv_scale.item(), norm_type, total.data_ptr(), DTYPE_CODES[out]
+    )
     return total, torch.tensor(1.0 if found else 0.0)
+
+
+# unscale_and_clip_ can reach its result two ways, bit-identical when inv_scale is a power of
+# two (always so under GradScaler) and no tensor is fp16: then x * inv is exact in storage
+# (fp16's narrow exponent would make unscaled values subnormal and round them early):
+#   clip expected:    read pass (norm of x*inv), then one write of x * (inv*coef)  -> 3N bytes
+#   no clip expected: write pass x *= inv that also measures, then x *= coef only
+#                     if coef != 1                                               -> 2N (4N if wrong)
+# Which one is cheaper depends on whether clipping will be active, which the previous call on
+# the same gradients predicts well (clipping is active for long stretches early in training and
+# inactive late). Keyed cheaply by the list's shape in memory; bounded.
+_CLIPPED_LAST: dict[tuple, bool] = {}
+
+
+_FP16 = DTYPE_CODES[torch.float16]
+
+
+def _signature(plan: Plan) -> tuple:
+    return (len(plan), plan.addrs[0], plan.numels[0], plan.addrs[-1], plan.numels[-1])
+
+
+def _power_of_two(v: float) -> bool:
+    m, _ = math.frexp(v)
+    return m == 0.5
 
 
 def unscale_and_clip_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, max_norm: float, norm_type):
     tl = _tensor_list(plan)
     inv = inv_scale.item()
-    total, value, found = _unscale_check_norm(plan, tl, inv, norm_type)
+    key = _signature(plan)
+    out = plan.out_dtype
+    total = torch.empty((), dtype=out)
+    if _CLIPPED_LAST.get(key, True) or not _power_of_two(inv) or _FP16 in plan.codes:
+        value, found = _rust.unscale_check_norm(tl, inv, norm_type, total.data_ptr(), DTYPE_CODES[out])
+        coef = _rust.clip_coef(value, max_norm, DTYPE_CODES[out])
+        _rust.scale_(tl, inv * coef)
+    else:
+        value, found = _rust.unscale_norm_(tl, inv, norm_type, total.data_ptr(), DTYPE_CODES[out])
+        coef = _rust.clip_coef(value, max_norm, DTYPE_CODES[out])
+        _rust.scale_(tl, coef)
     if found:
         found_inf.fill_(1.0)
-    # One write pass applies both factors. inv_scale is a power of two under GradScaler, so
-    # x * (inv * coef) equals (x * inv) * coef bit for bit (barring underflow).
-    _rust.scale_(tl, inv * _rust.clip_coef(value, max_norm, DTYPE_CODES[total.dtype]))
+    if len(_CLIPPED_LAST) >= 64:
+        _CLIPPED_LAST.clear()
+    _CLIPPED_LAST[key] = coef != 1.0
     return total
 
 

@@ -49,11 +49,17 @@ def _triton():
     return kernels
 
 
+# Sparse layouts get the same kernel so that they reach the plan, which rejects them with an
+# UnsupportedTensorError naming the tensor (and the drop-ins then hand the call to torch),
+# instead of the dispatcher's "could not run ... with arguments from the 'SparseCPU' backend".
+_DISPATCH_KEYS = ("CPU", "CUDA", "SparseCPU", "SparseCUDA", "SparseCsrCPU", "SparseCsrCUDA")
+
+
 def _register(schema: str, impl, fake) -> None:
     name = schema.split("(", 1)[0]
     _LIB.define(schema)
-    _LIB.impl(name, impl, "CPU")
-    _LIB.impl(name, impl, "CUDA")
+    for key in _DISPATCH_KEYS:
+        _LIB.impl(name, impl, key)
     torch.library.register_fake(f"gradfuse::{name}", fake, lib=_LIB)
 
 
@@ -66,7 +72,7 @@ def check_max_norm(op: str, max_norm) -> float:
 
 def _fake_device(op: str, name: str, tensors: list[Tensor]) -> torch.device:
     P.check_dtypes(op, name, tensors)
-    return P.check_device(op, name, tensors)
+    return P.check_device(op, name, tensors, strict=True)
 
 
 def _out_dtype(tensors: list[Tensor]) -> torch.dtype:
@@ -280,7 +286,7 @@ def _acc_fake(dst, src, alpha):
     device = _fake_device(_ACC, "dst", dst)
     P.check_dtypes(_ACC, "src", src)
     if src:
-        P.check_device(_ACC, "src", src, device)
+        P.check_device(_ACC, "src", src, device, strict=True)
 
 
 _register("accumulate_(Tensor(a!)[] dst, Tensor[] src, float alpha) -> ()", _acc_impl, _acc_fake)

@@ -1,0 +1,195 @@
+"""Bad input gets a clear exception naming the argument, the index and the problem, and
+nothing is modified. Runs on both backends where they differ (Rust, and Triton under the
+interpreter for the checks that happen before any kernel)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gradfuse
+from reference import same_bits
+
+
+@pytest.fixture(autouse=True)
+def rust_backend(monkeypatch):
+    monkeypatch.setenv("GRADFUSE_BACKEND", "rust")
+
+
+def snapshot(tensors):
+    return [t.clone() for t in tensors]
+
+
+def unchanged(tensors, before):
+    return all(same_bits(t, b) for t, b in zip(tensors, before, strict=True))
+
+
+INPLACE_OPS = {
+    "multi_tensor_scale_": lambda ts: gradfuse.multi_tensor_scale_(ts, torch.tensor(0.5)),
+    "unscale_and_check_": lambda ts: gradfuse.unscale_and_check_(ts, torch.full((1,), 0.5), torch.zeros(1)),
+    "unscale_and_clip_": lambda ts: gradfuse.unscale_and_clip_(ts, torch.full((1,), 0.5), torch.zeros(1), 0.1),
+    "clip_grad_norm_": lambda ts: torch.ops.gradfuse.clip_grad_norm_(ts, 0.1, 2.0, False),
+    "clip_grads_with_norm_": lambda ts: torch.ops.gradfuse.clip_grads_with_norm_(ts, 0.1, torch.tensor(9.0)),
+    "clamp_": lambda ts: torch.ops.gradfuse.clamp_(ts, -0.1, 0.1),
+    "accumulate_": lambda ts: gradfuse.accumulate_(ts, [torch.ones_like(t) for t in ts]),
+}
+READ_OPS = {
+    "multi_tensor_norm": lambda ts: gradfuse.multi_tensor_norm(ts),
+    "unscale_check_norm": lambda ts: gradfuse.unscale_check_norm(ts, torch.full((1,), 0.5)),
+}
+ALL_OPS = {**INPLACE_OPS, **READ_OPS}
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+@pytest.mark.parametrize("bad_dtype", [torch.int64, torch.int32, torch.bool, torch.uint8, torch.complex64])
+def test_non_float_dtypes_are_refused_by_index(op, bad_dtype):
+    ts = [torch.randn(4), torch.randn(3), torch.ones(5, dtype=bad_dtype)]
+    before = snapshot(ts)
+    with pytest.raises(TypeError, match=rf"\[2\] has dtype {bad_dtype}"):
+        ALL_OPS[op](ts)
+    assert unchanged(ts, before)
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_mixed_devices_are_refused_by_index(op):
+    ts = [torch.randn(4), torch.randn(3), torch.randn(2, device="meta")]
+    if op == "accumulate_":
+        with pytest.raises(ValueError, match=r"\[2\] is on meta but .*\[0\] is on cpu"):
+            gradfuse.accumulate_(ts, [torch.ones(4), torch.ones(3), torch.ones(2)])
+        return
+    with pytest.raises(ValueError, match=r"\[2\] is on meta but .*\[0\] is on cpu"):
+        ALL_OPS[op](ts)
+
+
+@pytest.mark.parametrize("op", INPLACE_OPS)
+def test_internal_overlap_is_refused(op):
+    base = torch.randn(3)
+    ts = [torch.randn(4), base.expand(2, 3)]
+    before = snapshot([ts[0], base])
+    with pytest.raises(RuntimeError, match=r"\[1\] has internal overlap"):
+        INPLACE_OPS[op](ts)
+    assert unchanged([ts[0], base], before)
+
+
+@pytest.mark.parametrize("op", INPLACE_OPS)
+def test_overlapping_targets_are_refused(op):
+    storage = torch.randn(10)
+    overlapping = [torch.randn(2), storage[0:6], storage[4:10]]
+    before = storage.clone()
+    with pytest.raises(ValueError, match=r"\[1\] and .*\[2\] overlap in memory"):
+        INPLACE_OPS[op](overlapping)
+    assert same_bits(storage, before)
+    twice = torch.randn(5)
+    before = twice.clone()
+    with pytest.raises(ValueError, match=r"\[0\] and .*\[1\] overlap in memory"):
+        INPLACE_OPS[op]([twice, twice])
+    assert same_bits(twice, before)
+
+
+def test_adjacent_views_are_fine():
+    storage = torch.ones(10)
+    gradfuse.multi_tensor_scale_([storage[0:5], storage[5:10]], torch.tensor(2.0))
+    assert torch.equal(storage, torch.full((10,), 2.0))
+
+
+def test_overlapping_non_dense_targets_are_refused():
+    grid = torch.randn(6, 6)
+    a, b = grid[0:4, 0:3], grid[2:6, 1:4]  # neither dense; they share grid[2:4, 1:3]
+    before = grid.clone()
+    with pytest.raises(ValueError, match=r"tensors\[0\] and tensors\[1\] overlap in memory"):
+        gradfuse.multi_tensor_scale_([a, b], torch.tensor(0.5))
+    assert same_bits(grid, before)
+
+
+def test_accumulate_source_overlapping_another_target_is_refused():
+    storage = torch.randn(8)
+    dst = [storage[0:4], torch.randn(4)]
+    src = [torch.randn(4), storage[2:6]]
+    before = storage.clone()
+    with pytest.raises(ValueError, match=r"dst\[0\] and src\[1\] overlap in memory"):
+        gradfuse.accumulate_(dst, src)
+    assert same_bits(storage, before)
+
+
+def test_accumulate_length_and_shape_mismatches_name_the_index():
+    dst = [torch.zeros(3), torch.zeros(4)]
+    with pytest.raises(ValueError, match="dst has 2 tensors but src has 1"):
+        gradfuse.accumulate_(dst, [torch.ones(3)])
+    with pytest.raises(ValueError, match=r"dst\[1\] has shape \(4,\) but src\[1\] has shape \(2, 2\)"):
+        gradfuse.accumulate_(dst, [torch.ones(3), torch.ones(2, 2)])
+    with pytest.raises(ValueError, match="dst has 2 tensors but src has 1"):
+        torch.ops.gradfuse.accumulate_(dst, [torch.ones(3)], 1.0)
+    assert all(torch.equal(d, torch.zeros_like(d)) for d in dst)
+
+
+@pytest.mark.parametrize("value", [-0.5, math.nan])
+def test_bad_max_norm_in_every_clipping_op(value):
+    ts = [torch.randn(4)]
+    before = snapshot(ts)
+    for call in (
+        lambda: torch.ops.gradfuse.clip_grad_norm_(ts, value, 2.0, False),
+        lambda: torch.ops.gradfuse.clip_grads_with_norm_(ts, value, torch.tensor(1.0)),
+        lambda: gradfuse.unscale_and_clip_(ts, torch.full((1,), 0.5), torch.zeros(1), value),
+    ):
+        with pytest.raises(ValueError, match="max_norm must be a non-negative number"):
+            call()
+    assert unchanged(ts, before)
+
+
+def test_nan_norm_type_is_refused():
+    with pytest.raises(ValueError, match="norm_type must be a real number"):
+        gradfuse.multi_tensor_norm([torch.ones(2)], math.nan)
+    with pytest.raises(ValueError, match="norm_type must be a real number"):
+        gradfuse.clip_grad_norm_(torch.nn.Parameter(torch.ones(2)), 1.0, math.nan)
+
+
+def test_amp_scalars_are_checked():
+    ts = [torch.randn(4)]
+    before = snapshot(ts)
+    with pytest.raises(TypeError, match="found_inf must be a float32 tensor"):
+        gradfuse.unscale_and_check_(ts, torch.full((1,), 0.5), torch.zeros(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="inv_scale must have exactly one element"):
+        gradfuse.unscale_and_check_(ts, torch.full((2,), 0.5), torch.zeros(1))
+    with pytest.raises(ValueError, match="found_inf is on meta but the tensors are on cpu"):
+        gradfuse.unscale_and_check_(ts, torch.full((1,), 0.5), torch.zeros(1, device="meta"))
+    with pytest.raises(ValueError, match="scale must have exactly one element"):
+        gradfuse.multi_tensor_scale_(ts, torch.ones(3))
+    assert unchanged(ts, before)
+
+
+def test_sparse_tensors_are_refused_by_the_fused_ops():
+    sparse = torch.randn(4, 4).to_sparse()
+    with pytest.raises(gradfuse._plan.UnsupportedTensorError, match=r"tensors\[0\] has layout torch.sparse_coo"):
+        gradfuse.multi_tensor_norm([sparse])
+    with pytest.raises(TypeError, match=r"tensors\[1\] has layout torch.sparse_coo"):
+        gradfuse.multi_tensor_scale_([torch.randn(2), sparse], 0.5)
+
+
+def test_triton_backend_checks_before_any_kernel(monkeypatch):
+    """Validation is shared: the Triton path refuses the same input with the same message."""
+    monkeypatch.setenv("GRADFUSE_BACKEND", "triton")
+    ts = [torch.randn(4), torch.ones(2, dtype=torch.int32)]
+    with pytest.raises(TypeError, match=r"tensors\[1\] has dtype torch.int32"):
+        gradfuse.multi_tensor_norm(ts)
+    monkeypatch.setenv("GRADFUSE_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="GRADFUSE_BACKEND must be auto, rust or triton"):
+        gradfuse.multi_tensor_norm([torch.randn(2)])
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda ts, found: gradfuse.unscale_and_clip_(ts, torch.full((1,), 0.5), found, 0.1),
+        lambda ts, found: gradfuse.unscale_and_check_(ts, torch.full((1,), 0.5), found),
+    ],
+)
+def test_overlap_is_found_before_found_inf_is_written(call):
+    """The read pass of unscale_and_clip_ would set found_inf: overlap must be caught first."""
+    storage = torch.randn(10)
+    storage[5] = math.inf
+    found = torch.zeros(1)
+    with pytest.raises(ValueError, match="overlap in memory"):
+        call([storage[0:6], storage[4:10]], found)
+    assert found.item() == 0.0

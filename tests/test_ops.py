@@ -1,0 +1,434 @@
+"""The fused gradfuse:: ops on CPU tensors (Rust core): differential tests against float64
+references and torch, property-based over shapes, dtypes, norm orders, inf/NaN positions and
+layouts, plus torch.library.opcheck of every op."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gradfuse
+from reference import (
+    EDGE_SIZES,
+    FLOAT_DTYPES,
+    NORM_TYPES,
+    close,
+    math_dtype,
+    randn,
+    ref_norms,
+    rtol_for,
+    same_bits,
+)
+
+pytestmark = pytest.mark.usefixtures("rust_backend")
+
+
+@pytest.fixture
+def rust_backend(monkeypatch):
+    monkeypatch.setenv("GRADFUSE_BACKEND", "rust")
+
+
+# --- strategies ---------------------------------------------------------------------------
+
+shapes = st.one_of(
+    st.just(()),
+    st.just((0,)),
+    st.sampled_from(EDGE_SIZES).map(lambda n: (n,)),
+    st.tuples(st.integers(1, 40), st.integers(1, 40)),
+    st.tuples(st.integers(0, 5), st.integers(1, 7), st.integers(1, 9)),
+)
+layouts = st.sampled_from(["contiguous", "transposed", "sliced"])
+any_dtype = st.sampled_from(FLOAT_DTYPES)
+
+
+@st.composite
+def tensor_lists(draw, dtypes=any_dtype, max_tensors=5, specials=False):
+    """Lists of fresh random tensors of mixed shapes, dtypes and layouts; optionally with
+    zeros, infs and NaNs at random positions."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(draw(st.integers(1, max_tensors))):
+        shape = draw(shapes)
+        dtype = draw(dtypes)
+        layout = draw(layouts) if len(shape) >= 2 else "contiguous"
+        scale = 100.0 if dtype == torch.float16 else draw(st.sampled_from([1e-3, 1.0, 1e3]))
+        if layout == "transposed":
+            t = randn(shape[::-1], dtype, scale, gen).transpose(0, 1)
+        elif layout == "sliced":
+            t = randn((shape[0], shape[1] + 3, *shape[2:]), dtype, scale, gen)[:, 1 : 1 + shape[1]]
+        else:
+            t = randn(shape, dtype, scale, gen)
+        if specials and t.numel():
+            flat = t.view(-1) if t.is_contiguous() else None
+            for _ in range(draw(st.integers(0, 3))):
+                i = draw(st.integers(0, t.numel() - 1))
+                v = draw(st.sampled_from([0.0, math.inf, -math.inf, math.nan]))
+                if flat is not None:
+                    flat[i] = v
+                else:
+                    t[tuple(torch.unravel_index(torch.tensor(i), t.shape))] = v
+        out.append(t)
+    return out
+
+
+def _needs_elements(p: float) -> bool:
+    return math.isinf(p) or p < 0
+
+
+# --- multi_tensor_norm --------------------------------------------------------------------
+
+
+@given(tensor_lists(specials=True), st.sampled_from(NORM_TYPES))
+def test_norm_matches_float64_reference(tensors, p):
+    if _needs_elements(p) and any(t.numel() == 0 for t in tensors):
+        with pytest.raises(RuntimeError, match="empty tensor because the operation does not have an identity"):
+            gradfuse.multi_tensor_norm(tensors, p)
+        return
+    total, per = gradfuse.multi_tensor_norm(tensors, p, per_tensor=True)
+    want_total, want_per = ref_norms(tensors, p)
+    rtol = rtol_for(t.dtype for t in tensors)
+    out = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    assert total.dtype == out and total.shape == () and per.dtype == out and per.shape == (len(tensors),)
+    assert close(total.item(), want_total, rtol), (total.item(), want_total)
+    for got, want in zip(per.tolist(), want_per, strict=True):
+        assert close(got, want, rtol), (got, want)
+
+
+@given(tensor_lists(dtypes=st.sampled_from([torch.float32, torch.float64])), st.sampled_from([2.0, 1.0, math.inf]))
+def test_norm_agrees_with_torch(tensors, p):
+    """fp32/fp64: torch.nn.utils.get_total_norm gives the same number to its own precision,
+    and where torch refuses (inf norm of an empty tensor) gradfuse refuses too."""
+    if _needs_elements(p) and any(t.numel() == 0 for t in tensors):
+        for fn in (gradfuse.multi_tensor_norm, torch.nn.utils.get_total_norm):
+            with pytest.raises(
+                RuntimeError, match="on an empty tensor because the operation does not have an identity"
+            ):
+                fn(tensors, p)
+        return
+    got = gradfuse.multi_tensor_norm(tensors, p)
+    want = torch.nn.utils.get_total_norm(tensors, p)
+    assert close(got.item(), want.item(), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_norm_is_fp32_accurate_unlike_torch(dtype):
+    """The point of gradfuse: a bf16/fp16 model's norm to fp32 precision (torch returns a
+    16-bit total with ~3 significant digits)."""
+    grads = [randn((4096,), dtype) for _ in range(50)]
+    want, _ = ref_norms(grads, 2.0)
+    ours = gradfuse.multi_tensor_norm(grads).item()
+    theirs = torch.nn.utils.get_total_norm(grads).item()
+    assert abs(ours - want) / want < 2e-6
+    assert abs(theirs - want) / want > 10 * abs(ours - want) / want
+
+
+def test_fp16_squares_do_not_overflow():
+    g = torch.full((8,), 60000.0, dtype=torch.float16)
+    assert gradfuse.multi_tensor_norm([g]).item() == pytest.approx(60000.0 * math.sqrt(8), rel=1e-6)
+
+
+def test_norm_is_deterministic():
+    tensors = [randn((70000,), torch.float32), randn((33, 1000), torch.bfloat16)]
+    a = gradfuse.multi_tensor_norm(tensors, 2.0)
+    b = gradfuse.multi_tensor_norm(tensors, 2.0)
+    assert same_bits(a, b)
+
+
+def test_norm_of_empty_list_is_zero():
+    assert gradfuse.multi_tensor_norm([]).item() == 0.0
+    total, per = gradfuse.multi_tensor_norm([], per_tensor=True)
+    assert total.item() == 0.0 and per.numel() == 0
+
+
+def test_norm_releases_the_gil():
+    """A Python thread keeps running while a long norm is computed in Rust."""
+    big = [randn((8_000_000,), torch.float32) for _ in range(4)]
+    counter = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            counter[0] += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        before = counter[0]
+        gradfuse.multi_tensor_norm(big, 3.0)  # general order: slow enough (~0.1 s) to notice
+        after = counter[0]
+    finally:
+        stop.set()
+        thread.join()
+    assert after > before
+
+
+# --- in-place element-wise ops --------------------------------------------------------------
+
+
+def _expected_scaled(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    m = math_dtype(t.dtype)
+    return (t.to(m) * factor.to(m)).to(t.dtype)
+
+
+@given(tensor_lists(specials=True), st.sampled_from([0.5, 0.1, 3.0, 1.0, 0.0]))
+def test_scale_is_torch_arithmetic_bit_for_bit(tensors, factor):
+    originals = [t.clone() for t in tensors]
+    versions = [t._version for t in tensors]
+    gradfuse.multi_tensor_scale_(tensors, torch.tensor(factor))
+    for t, o, v in zip(tensors, originals, versions, strict=True):
+        assert same_bits(t, _expected_scaled(o, torch.tensor(factor)))
+        assert t._version > v  # autograd is told about the in-place write
+
+
+def test_scale_by_one_touches_no_memory():
+    """x * 1 == x, so the pass is skipped: even a NaN payload survives bit for bit."""
+    t = torch.tensor([1.5, -0.0, 3.0], dtype=torch.float32)
+    t.view(torch.int32)[2] = 0x7FC0_1234  # a NaN with a payload that any write would canonicalise
+    bits = t.view(torch.int32).clone()
+    gradfuse.multi_tensor_scale_([t], torch.tensor(1.0))
+    assert torch.equal(t.view(torch.int32), bits)
+
+
+@given(tensor_lists(specials=True), st.sampled_from([2.0**-16, 0.5, 1.0, 3.0]))
+def test_unscale_and_check_matches_torch_amp(tensors, inv):
+    ours = [t.clone() for t in tensors]
+    theirs = [t.clone() for t in tensors]
+    found_ours, found_theirs = torch.zeros(1), torch.zeros(1)
+    inv_t = torch.full((1,), inv)
+    gradfuse.unscale_and_check_(ours, inv_t, found_ours)
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_theirs, inv_t)
+    assert found_ours.item() == found_theirs.item()
+    for a, b in zip(ours, theirs, strict=True):
+        assert same_bits(a, b)
+
+
+def test_unscale_never_resets_found_inf():
+    found = torch.ones(1)
+    gradfuse.unscale_and_check_([torch.ones(3)], torch.full((1,), 0.5), found)
+    assert found.item() == 1.0
+
+
+@given(tensor_lists(specials=True), st.sampled_from([2.0**-16, 0.25, 1.0]), st.sampled_from([2.0, 1.0, math.inf]))
+def test_unscale_check_norm_reads_only(tensors, inv, p):
+    snapshot = [t.clone() for t in tensors]
+    if _needs_elements(p) and any(t.numel() == 0 for t in tensors):
+        return
+    norm, found = gradfuse.unscale_check_norm(tensors, torch.full((1,), inv), p)
+    for t, s in zip(tensors, snapshot, strict=True):
+        assert same_bits(t, s)
+    unscaled = [(t.to(math_dtype(t.dtype)) * inv) for t in tensors]
+    want, _ = ref_norms(unscaled, p)
+    assert close(norm.item(), want, rtol_for(t.dtype for t in tensors))
+    has_bad = any((~torch.isfinite(t.double())).any().item() for t in tensors if t.numel())
+    assert found.item() == float(has_bad) and found.dtype == torch.float32
+
+
+def test_unscale_check_norm_counts_fp16_values_that_would_underflow():
+    g = torch.full((4,), 2.0**-10, dtype=torch.float16)
+    norm, _ = gradfuse.unscale_check_norm([g], torch.full((1,), 2.0**-16))
+    assert norm.item() == pytest.approx(2 * 2.0**-26, rel=1e-6)  # f16 storage would hold 0
+
+
+@given(
+    tensor_lists(dtypes=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), specials=True),
+    st.sampled_from([0.25, 1.0]),
+    st.sampled_from([1e-3, 1.0, 1e6]),
+)
+def test_unscale_and_clip_equals_unscale_then_clip(tensors, inv, max_norm):
+    if not any(t.numel() for t in tensors):
+        return
+    ours = [t.clone() for t in tensors]
+    found = torch.zeros(1)
+    inv_t = torch.full((1,), inv)
+    total = gradfuse.unscale_and_clip_(ours, inv_t, found, max_norm)
+    # Reference: unscale in place as torch would, then clip with gradfuse's own total.
+    ref = [t.clone() for t in tensors]
+    ref_found = torch.zeros(1)
+    torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found, inv_t)
+    assert found.item() == ref_found.item()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for a, r in zip(ours, ref, strict=True):
+        # inv is a power of two, so (x * inv) * coef == x * (inv * coef) exactly.
+        assert same_bits(a, _expected_scaled(r, coef))
+
+
+@given(tensor_lists(specials=True), st.floats(0.0, 10.0))
+def test_clamp_matches_torch_clip_grad_value(tensors, clip):
+    params = [torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype)) for t in tensors]
+    for p, t in zip(params, tensors, strict=True):
+        p.grad = t.clone()
+    theirs = [t.clone() for t in tensors]
+    gradfuse.clip_grad_value_(params, clip)
+    for t in theirs:
+        t.clamp_(min=-clip, max=clip)
+    for p, t in zip(params, theirs, strict=True):
+        assert same_bits(p.grad, t)
+
+
+@given(
+    st.lists(st.sampled_from(FLOAT_DTYPES), min_size=2, max_size=2),
+    st.sampled_from(EDGE_SIZES),
+    st.sampled_from([1.0, 0.5, -2.0]),
+    layouts,
+)
+def test_accumulate_mixed_dtypes(dtypes, n, alpha, layout):
+    d_dtype, s_dtype = dtypes
+    shape = (n, 3)
+    dst = randn(shape, d_dtype)
+    src = randn(shape, s_dtype)
+    if layout == "transposed":
+        src = src.t().contiguous().t()
+    elif layout == "sliced":
+        src = randn((n, 5), s_dtype)[:, 1:4]
+    start = dst.clone()
+    gradfuse.accumulate_([dst], [src], alpha)
+    m = torch.float64 if torch.float64 in dtypes else torch.float32
+    want = (start.to(m) + torch.tensor(alpha, dtype=m) * src.to(m)).to(d_dtype)
+    assert same_bits(dst, want)
+
+
+def test_accumulate_into_itself():
+    t = torch.arange(5, dtype=torch.float32)
+    gradfuse.accumulate_([t], [t], 1.0)
+    assert torch.equal(t, 2 * torch.arange(5, dtype=torch.float32))
+
+
+def test_accumulate_bf16_into_fp32_main_grads_beats_bf16_accumulation():
+    """Many small bf16 micro-batch gradients: fp32 main grads keep them, bf16 sums stall."""
+    main = torch.zeros(1000)
+    naive = torch.zeros(1000, dtype=torch.bfloat16)
+    micro = [randn((1000,), torch.bfloat16, 1e-3) for _ in range(64)]
+    for g in micro:
+        gradfuse.accumulate_([main], [g])
+        naive.add_(g)
+    exact = torch.stack([g.double() for g in micro]).sum(0)
+    assert (main.double() - exact).abs().max() < 1e-7
+    assert (naive.double() - exact).abs().max() > 10 * (main.double() - exact).abs().max()
+
+
+# --- non-contiguous results land in the caller's tensors --------------------------------------
+
+
+def test_inplace_ops_write_back_into_strided_views_only():
+    base = torch.full((6, 8), 7.0)
+    view = base[1:5, 2:6]  # not dense: results go through a copy and back
+    t = base.t()  # dense but not contiguous: used in place
+    gradfuse.multi_tensor_scale_([view], torch.tensor(0.5))
+    assert torch.equal(view, torch.full((4, 4), 3.5))
+    outside = torch.ones(6, 8, dtype=torch.bool)
+    outside[1:5, 2:6] = False
+    assert torch.equal(base[outside], torch.full((int(outside.sum()),), 7.0))
+    gradfuse.multi_tensor_scale_([t], torch.tensor(2.0))
+    assert base[0, 0].item() == 14.0 and base[2, 3].item() == 7.0
+
+
+# --- opcheck ------------------------------------------------------------------------------
+
+
+def _opcheck_cases():
+    f = [torch.randn(3, 4), torch.randn(0), torch.randn(()), torch.randn(5).bfloat16()]
+    g = [torch.randn(3, 4), torch.randn(0), torch.randn(())]
+    inv, found = torch.full((1,), 0.5), torch.zeros(1)
+    return [
+        ("multi_tensor_norm", (f, 2.0, True)),
+        ("multi_tensor_norm", ([torch.randn(3, 4), torch.randn(())], math.inf, False)),
+        ("multi_tensor_scale_", (f, torch.tensor(0.5))),
+        ("clip_grads_with_norm_", (f, 1.0, torch.tensor(3.0))),
+        ("clip_grad_norm_", (g, 0.5, 2.0, False)),
+        ("unscale_and_check_", (f, inv, found)),
+        ("unscale_check_norm", (g, inv, 2.0)),
+        ("unscale_and_clip_", (g, inv, found, 0.5, 2.0)),
+        ("accumulate_", ([torch.zeros(3), torch.zeros(0)], [torch.ones(3).bfloat16(), torch.ones(0)], 0.5)),
+        ("clamp_", (f, -0.1, 0.1)),
+    ]
+
+
+@pytest.mark.parametrize(("name", "args"), _opcheck_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_opcheck(name, args):
+    op = getattr(torch.ops.gradfuse, name).default
+    torch.library.opcheck(op, args)
+
+
+def test_every_registered_op_is_opchecked():
+    checked = {name for name, _ in _opcheck_cases()}
+    registered = {n for n in dir(torch.ops.gradfuse) if not n.startswith("_") and n not in ("name",)}
+    registered = {n for n in registered if isinstance(getattr(torch.ops.gradfuse, n), torch._ops.OpOverloadPacket)}
+    assert registered == checked
+
+
+@pytest.mark.slow
+def test_tensors_over_two_to_the_31_elements():
+    """64-bit sizes: a bf16 tensor of 2^31 + 7 elements (4 GiB) is measured and written whole."""
+    n = 2**31 + 7
+    big = torch.ones(n, dtype=torch.bfloat16)
+    big[-1] = 3.0
+    # The exact sum n + 2, as the float32 total holds it.
+    assert gradfuse.multi_tensor_norm([big], 1.0).item() == torch.tensor(float(n + 2)).item()
+    assert gradfuse.multi_tensor_norm([big], math.inf).item() == 3.0
+    gradfuse.multi_tensor_scale_([big], torch.tensor(0.5))
+    assert big[-1].item() == 1.5 and big[-2].item() == 0.5 and big[0].item() == 0.5
+    del big
+
+
+@given(
+    tensor_lists(dtypes=any_dtype, specials=True),
+    st.sampled_from([2.0**-16, 0.5, 4.0]),
+    st.sampled_from([1e-3, 1.0, 1e6]),
+)
+def test_unscale_and_clip_paths_are_bit_identical(tensors, inv, max_norm):
+    """Both ways unscale_and_clip_ can take (read then one write; or unscale while measuring,
+    then clip only if needed) give the same gradients, norm and found_inf, bit for bit."""
+    from gradfuse import _cpu, _plan
+
+    if not any(t.numel() for t in tensors):
+        return
+    results = []
+    for clipped_last in (True, False):
+        ts = [t.clone() for t in tensors]
+        found = torch.zeros(1)
+        plan = _plan.make_plan("t", "grads", ts, inplace=True)
+        _cpu._CLIPPED_LAST[_cpu._signature(plan)] = clipped_last
+        total = gradfuse.unscale_and_clip_(ts, torch.full((1,), inv), found, max_norm)
+        results.append((ts, total, found))
+    (a, total_a, found_a), (b, total_b, found_b) = results
+    assert same_bits(total_a, total_b) and same_bits(found_a, found_b)
+    assert all(same_bits(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_unscale_and_clip_remembers_whether_it_clipped():
+    from gradfuse import _cpu, _plan
+
+    grads = [torch.full((1000,), 4.0)]
+    key = _cpu._signature(_plan.make_plan("t", "grads", grads, inplace=True))
+    inv = torch.full((1,), 0.5)
+    gradfuse.unscale_and_clip_(grads, inv, torch.zeros(1), max_norm=1e6)
+    assert _cpu._CLIPPED_LAST[key] is False
+    gradfuse.unscale_and_clip_(grads, inv, torch.zeros(1), max_norm=1.0)
+    assert _cpu._CLIPPED_LAST[key] is True
+    assert grads[0].norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_unscale_and_clip_fp16_underflow_takes_the_exact_path():
+    """fp16 values unscaled by 2^-16 become subnormal: rounding them in storage before
+    clipping would change the result, so fp16 lists always clip in one write."""
+    from gradfuse import _cpu, _plan
+
+    x = torch.linspace(0.05, 0.1, 97, dtype=torch.float16)  # x * 2^-16 is an fp16 subnormal
+    inv = 2.0**-16
+    unscaled_norm = torch.linalg.vector_norm(x.float() * inv).item()
+    max_norm = 0.9 * (unscaled_norm + 1e-6)  # a coefficient near 0.9: both roundings matter
+    outs = []
+    for clipped_last in (True, False):
+        g = [x.clone()]
+        _cpu._CLIPPED_LAST[_cpu._signature(_plan.make_plan("t", "grads", g, inplace=True))] = clipped_last
+        total = gradfuse.unscale_and_clip_(g, torch.full((1,), inv), torch.zeros(1), max_norm=max_norm)
+        outs.append(g[0])
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    want = (x.float() * (inv * coef)).half()
+    assert same_bits(outs[0], want) and same_bits(outs[1], want)
