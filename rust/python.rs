@@ -193,9 +193,11 @@ fn norm(
     write_norms(&r, total_addr, per_tensor_addr, dtype)
 }
 
-/// One read-only pass: norm of `x * inv_scale` and whether any `x` is inf/NaN.
-/// Writes the total as `out_code`; returns `(total, found_inf)`.
+/// One pass: the norm of `x * inv_scale` and whether any `x` is inf/NaN, read-only, or with
+/// `in_place` also writing `x *= inv_scale` (read and written once). Writes the total as
+/// `out_code`; returns `(total, found_inf)`.
 #[pyfunction]
+#[pyo3(signature = (tensors, inv_scale, norm_type, total_addr, out_code, in_place=false))]
 fn unscale_check_norm(
     py: Python<'_>,
     tensors: &Bound<'_, TensorList>,
@@ -203,29 +205,17 @@ fn unscale_check_norm(
     norm_type: f64,
     total_addr: usize,
     out_code: u8,
+    in_place: bool,
 ) -> PyResult<(f64, bool)> {
     let tl = tensors.get();
     let dtype = out_dtype(out_code)?;
-    let r = py.detach(|| norms::unscale_check_norm(&tl.slices(), inv_scale, norm_type)).map_err(|e| tl.err(e))?;
-    Ok((write_norms(&r, total_addr, 0, dtype)?, r.found_inf))
-}
-
-/// One read-write pass: `x *= inv_scale` in place, and the norm of the unscaled values and
-/// whether any `x` was inf/NaN (as `unscale_check_norm` reports them). Writes the total as
-/// `out_code`; returns `(total, found_inf)`.
-#[pyfunction]
-fn unscale_norm_(
-    py: Python<'_>,
-    tensors: &Bound<'_, TensorList>,
-    inv_scale: f64,
-    norm_type: f64,
-    total_addr: usize,
-    out_code: u8,
-) -> PyResult<(f64, bool)> {
-    let tl = tensors.get();
-    let dtype = out_dtype(out_code)?;
-    let views = tl.slices_mut(None)?;
-    let r = py.detach(|| norms::unscale_norm_(views, inv_scale, norm_type)).map_err(|e| tl.err(e))?;
+    let r = if in_place {
+        let views = tl.slices_mut(None)?;
+        py.detach(|| norms::unscale_norm_(views, inv_scale, norm_type))
+    } else {
+        py.detach(|| norms::unscale_check_norm(&tl.slices(), inv_scale, norm_type))
+    };
+    let r = r.map_err(|e| tl.err(e))?;
     Ok((write_norms(&r, total_addr, 0, dtype)?, r.found_inf))
 }
 
@@ -305,7 +295,6 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TensorList>()?;
     m.add_function(wrap_pyfunction!(norm, m)?)?;
     m.add_function(wrap_pyfunction!(unscale_check_norm, m)?)?;
-    m.add_function(wrap_pyfunction!(unscale_norm_, m)?)?;
     m.add_function(wrap_pyfunction!(scale_, m)?)?;
     m.add_function(wrap_pyfunction!(clip_coef, m)?)?;
     m.add_function(wrap_pyfunction!(unscale_and_check_, m)?)?;

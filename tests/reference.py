@@ -27,9 +27,39 @@ def rtol_for(dtypes) -> float:
     return 1e-12 if all(d == torch.float64 for d in dtypes) else 2e-6
 
 
+def rtol(tensors) -> float:
+    return rtol_for(t.dtype for t in tensors)
+
+
 def math_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype element-wise arithmetic happens in (torch's opmath type)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def scaled(t: torch.Tensor, factor) -> torch.Tensor:
+    """``t * factor`` as gradfuse computes it: in the arithmetic type, rounded once to ``t``'s
+    dtype (on the CPU). ``factor`` is a number or a one-element tensor."""
+    t = t.detach().cpu()
+    m = math_dtype(t.dtype)
+    if isinstance(factor, torch.Tensor):
+        f = factor.detach().cpu().to(m)
+    else:
+        f = torch.tensor(factor, dtype=torch.float64).to(m)
+    return (t.to(m) * f).to(t.dtype)
+
+
+def clones(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.clone() for t in tensors]
+
+
+def params_of(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """Parameters whose ``.grad`` are the given tensors (the tensors themselves, not copies)."""
+    out = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.empty_like(g))
+        p.grad = g
+        out.append(p)
+    return out
 
 
 def ref_norms(tensors: list[torch.Tensor], p: float) -> tuple[float, list[float]]:

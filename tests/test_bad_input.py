@@ -193,3 +193,17 @@ def test_overlap_is_found_before_found_inf_is_written(call):
     with pytest.raises(ValueError, match="overlap in memory"):
         call([storage[0:6], storage[4:10]], found)
     assert found.item() == 0.0
+
+
+def test_raw_ops_on_empty_lists():
+    """An empty list reaches the kernels when another tensor argument gives the dispatcher a
+    device: nothing to do, and the outputs are zeros on that device."""
+    inv, found = torch.full((1,), 0.5), torch.zeros(1)
+    torch.ops.gradfuse.multi_tensor_scale_([], torch.tensor(0.5))
+    torch.ops.gradfuse.clip_grads_with_norm_([], 1.0, torch.tensor(3.0))
+    torch.ops.gradfuse.unscale_and_check_([], inv, found)
+    norm, found_out = torch.ops.gradfuse.unscale_check_norm([], inv, 2.0)
+    assert norm.item() == 0.0 and found_out.item() == 0.0
+    assert torch.ops.gradfuse.unscale_and_clip_([], inv, found, 1.0, 2.0).item() == 0.0
+    assert found.item() == 0.0
+    assert gradfuse.unscale_check_norm([], inv)[0].item() == 0.0

@@ -95,14 +95,10 @@ def unscale_and_clip_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tens
     key = _signature(plan)
     out = plan.out_dtype
     total = torch.empty((), dtype=out)
-    if _CLIPPED_LAST.get(key, True) or not _power_of_two(inv) or _FP16 in plan.codes:
-        value, found = _rust.unscale_check_norm(tl, inv, norm_type, total.data_ptr(), DTYPE_CODES[out])
-        coef = _rust.clip_coef(value, max_norm, DTYPE_CODES[out])
-        _rust.scale_(tl, inv * coef)
-    else:
-        value, found = _rust.unscale_norm_(tl, inv, norm_type, total.data_ptr(), DTYPE_CODES[out])
-        coef = _rust.clip_coef(value, max_norm, DTYPE_CODES[out])
-        _rust.scale_(tl, coef)
+    unscale_now = not (_CLIPPED_LAST.get(key, True) or not _power_of_two(inv) or _FP16 in plan.codes)
+    value, found = _rust.unscale_check_norm(tl, inv, norm_type, total.data_ptr(), DTYPE_CODES[out], unscale_now)
+    coef = _rust.clip_coef(value, max_norm, DTYPE_CODES[out])
+    _rust.scale_(tl, coef if unscale_now else inv * coef)
     if found:
         found_inf.fill_(1.0)
     if len(_CLIPPED_LAST) >= 64:

@@ -75,6 +75,11 @@ def _fake_device(op: str, name: str, tensors: list[Tensor]) -> torch.device:
     return P.check_device(op, name, tensors, strict=True)
 
 
+def _zeros_like_scalar(like: Tensor, dtype: torch.dtype) -> Tensor:
+    """A 0-d zero on ``like``'s device: the result for an empty list (a fill, no host copy)."""
+    return torch.zeros((), dtype=dtype, device=like.device)
+
+
 def _out_dtype(tensors: list[Tensor]) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
@@ -111,6 +116,8 @@ _SCALE = "gradfuse.multi_tensor_scale_"
 
 
 def _scale_impl(tensors: list[Tensor], scale: Tensor) -> None:
+    if not tensors:  # reachable through `scale`, which gives the dispatcher a device
+        return
     plan = P.make_plan(_SCALE, "tensors", tensors, inplace=True)
     P.check_scalar(_SCALE, "scale", scale, plan.device)
     _backend(plan.device).scale_(plan, scale)
@@ -130,6 +137,8 @@ _CLIPN = "gradfuse.clip_grads_with_norm_"
 
 def _clip_with_norm_impl(grads: list[Tensor], max_norm: float, total_norm: Tensor) -> None:
     max_norm = check_max_norm(_CLIPN, max_norm)
+    if not grads:
+        return
     plan = P.make_plan(_CLIPN, "grads", grads, inplace=True)
     P.check_scalar(_CLIPN, "total_norm", total_norm, plan.device)
     _backend(plan.device).clip_grads_with_norm_(plan, max_norm, total_norm)
@@ -187,6 +196,8 @@ def _check_amp_scalars(op: str, inv_scale: Tensor, found_inf: Tensor | None, dev
 
 
 def _unscale_impl(tensors: list[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
+    if not tensors:
+        return
     plan = P.make_plan(_UNSCALE, "tensors", tensors, inplace=True)
     _check_amp_scalars(_UNSCALE, inv_scale, found_inf, plan.device)
     _backend(plan.device).unscale_and_check_(plan, inv_scale, found_inf)
@@ -211,6 +222,8 @@ _UCN = "gradfuse.unscale_check_norm"
 
 def _ucn_impl(tensors: list[Tensor], inv_scale: Tensor, norm_type: float):
     norm_type = P.check_norm_type(_UCN, norm_type)
+    if not tensors:
+        return _zeros_like_scalar(inv_scale, torch.float32), _zeros_like_scalar(inv_scale, torch.float32)
     plan = P.make_plan(_UCN, "tensors", tensors, inplace=False)
     _check_amp_scalars(_UCN, inv_scale, None, plan.device)
     P.check_empty_norm(_UCN, "tensors", norm_type, plan.numels)
@@ -239,6 +252,8 @@ _UCLIP = "gradfuse.unscale_and_clip_"
 def _uclip_impl(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor, max_norm: float, norm_type: float):
     max_norm = check_max_norm(_UCLIP, max_norm)
     norm_type = P.check_norm_type(_UCLIP, norm_type)
+    if not grads:
+        return _zeros_like_scalar(inv_scale, torch.float32)
     plan = P.make_plan(_UCLIP, "grads", grads, inplace=True)
     _check_amp_scalars(_UCLIP, inv_scale, found_inf, plan.device)
     P.check_empty_norm(_UCLIP, "grads", norm_type, plan.numels)
@@ -338,7 +353,9 @@ def multi_tensor_norm(tensors: Tensor | Iterable[Tensor], norm_type: float = 2.0
 def _scalar_on(value, like: Tensor, dtype: torch.dtype) -> Tensor:
     if isinstance(value, Tensor):
         return value
-    return torch.tensor(float(value), dtype=dtype, device=like.device)
+    # torch.full launches a fill; torch.tensor(value, device=cuda) would copy from pageable
+    # host memory, which synchronises.
+    return torch.full((), float(value), dtype=dtype, device=like.device)
 
 
 def multi_tensor_scale_(tensors: Tensor | Iterable[Tensor], scale: Tensor | float) -> None:
@@ -368,8 +385,6 @@ def unscale_check_norm(tensors: Tensor | Iterable[Tensor], inv_scale: Tensor, no
     ``found_inf`` is a new 0-d float32 tensor, 1.0 if any element was inf or NaN.
     """
     tensors = as_tensor_list(tensors)
-    if not tensors:
-        return torch.zeros((), device=inv_scale.device), torch.zeros((), device=inv_scale.device)
     return torch.ops.gradfuse.unscale_check_norm(tensors, inv_scale, float(norm_type))
 
 
@@ -388,8 +403,6 @@ def unscale_and_clip_(
     is skipped.
     """
     tensors = as_tensor_list(tensors)
-    if not tensors:
-        return torch.zeros((), device=inv_scale.device)
     max_norm = check_max_norm("gradfuse.unscale_and_clip_", max_norm)
     return torch.ops.gradfuse.unscale_and_clip_(tensors, inv_scale, found_inf, max_norm, float(norm_type))
 

@@ -1,0 +1,69 @@
+"""``x = min(max(x, lo), hi)`` in place over a list of tensors (``clip_grad_value_``).
+
+Computed in float32 (float64 for float64 tensors) with the bounds rounded to that type, as
+torch's ``clamp_min_`` then ``clamp_max_``: NaN stays NaN, and ``lo > hi`` gives ``hi``.
+One launch per chunk-table group.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import _chunk_table as ct
+from ._chunk_table import as_f64, chunk_bounds, math_type, tail_mask, tensor_ptr, to_storage
+
+
+@triton.jit
+def _clamp(v, lo, hi):
+    y = tl.where(v < lo, lo, v)  # NaN < lo is false: NaN kept
+    return tl.where(y > hi, hi, y)
+
+
+@triton.jit(do_not_specialize=["chunk_base", "lo_bits", "hi_bits"])
+def _clamp_kernel(
+    addr_ptr,  # int64 per tensor: data addresses
+    numel_ptr,  # int64 per tensor: element counts
+    chunk_tensor_ptr,  # int64 per chunk: the tensor it belongs to
+    chunk_index_ptr,  # int64 per chunk: its position inside that tensor
+    chunk_base,  # first chunk of this launch's group
+    lo_bits: tl.int64,  # lower bound as float64 bits
+    hi_bits: tl.int64,  # upper bound as float64 bits
+    CODE: tl.constexpr,  # dtype code of this group's tensors
+    ALIGNED: tl.constexpr,  # this group's addresses are 16-byte aligned
+    CHUNK: tl.constexpr,  # elements per chunk
+    BLOCK: tl.constexpr,  # elements per loop step
+    VEC: tl.constexpr,  # alignment unit of the body, in elements
+):
+    MT: tl.constexpr = math_type(CODE)
+    lo = as_f64(lo_bits).to(MT)
+    hi = as_f64(hi_bits).to(MT)
+    chunk = chunk_base + tl.program_id(0).to(tl.int64)
+    t, start, body_end, tail, numel = chunk_bounds(chunk, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, CHUNK, VEC)
+    x_ptr = tensor_ptr(addr_ptr, t, CODE, ALIGNED)
+    for k in range(start, body_end, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        mask = offs < body_end
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        tl.store(x_ptr + offs, to_storage(_clamp(x.to(MT), lo, hi), x.dtype), mask=mask)
+    offs = tail + tl.arange(0, VEC)
+    mask = tail_mask(offs, start, numel, CHUNK)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(x_ptr + offs, to_storage(_clamp(x.to(MT), lo, hi), x.dtype), mask=mask)
+
+
+def clamp_(table: ct.ChunkTable, lo: float, hi: float) -> None:
+    """Clamps every tensor of ``table`` to ``[lo, hi]`` in place."""
+    for g in table.groups:
+        ct.launch(
+            _clamp_kernel,
+            g,
+            table.addrs[0],
+            table.numel,
+            table.chunk_tensor,
+            table.chunk_index,
+            g.base,
+            ct.f64_bits(float(lo)),
+            ct.f64_bits(float(hi)),
+            CODE=g.codes[0],
+        )

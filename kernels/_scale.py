@@ -1,0 +1,142 @@
+"""The write pass of scaling and clipping: ``x *= factor`` for every tensor of a chunk table, with
+the factor read or computed on the device by every program (no host sync):
+
+- SCALE: ``factor = scale`` (a one-element tensor of any floating dtype);
+- CLIP: ``factor = clip_coef(total_norm)``, torch's ``min(max_norm / (total_norm + 1e-6), 1)``;
+- UNSCALE_CLIP: ``factor = inv_scale * clip_coef(total_norm)`` (one write pass for both).
+
+The factor is formed in float64 (as the Rust core's ``f64`` argument) and rounded once to the
+tensor's arithmetic type. When it is exactly 1 every program returns before touching the tensors:
+``x * 1 == x`` bit for bit, and the common, inactive clipping step costs no memory traffic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._plan import DTYPE_CODES
+from . import _chunk_table as ct
+from ._chunk_table import as_f64, chunk_bounds, math_type, tail_mask, tensor_ptr, to_storage
+
+SCALE, CLIP, UNSCALE_CLIP = 0, 1, 2
+
+
+@triton.jit
+def _round(v, CODE: tl.constexpr):
+    """A float32 value rounded to the dtype ``CODE`` (to nearest even), back in float32."""
+    if CODE == 2:
+        r = to_storage(v, tl.float16).to(tl.float32)
+    elif CODE == 3:
+        r = to_storage(v, tl.bfloat16).to(tl.float32)
+    else:
+        r = v
+    return r
+
+
+@triton.jit
+def clip_coef(total_ptr, max_norm_bits, eps_bits, CODE: tl.constexpr):
+    """torch's clip coefficient from the total norm at ``total_ptr`` (dtype code CODE), as a float64
+    scalar, exactly as the Rust core's ``clip_coef``: torch evaluates ``max_norm / (t + 1e-6)`` as
+    ``(t + 1e-6).reciprocal() * max_norm``, each op in float32 (float64 for a float64 total) with
+    the Python scalars in that precision, each result rounded to the total's dtype; then
+    ``clamp(max=1)``, NaN kept. ``max_norm`` and ``1e-6`` arrive as float64 bits."""
+    max_norm = as_f64(max_norm_bits)
+    eps = as_f64(eps_bits)
+    t = tl.load(total_ptr)
+    if CODE == 1:
+        coef = (1.0 / (t.to(tl.float64) + eps)) * max_norm  # float64 division is IEEE-rounded
+    else:
+        denom = _round(t.to(tl.float32) + eps.to(tl.float32), CODE)
+        # Plain float32 `/` may compile to an approximate division; div_rn is IEEE-rounded.
+        recip = _round(tl.div_rn(tl.full([], 1.0, tl.float32), denom), CODE)
+        coef = _round(recip * max_norm.to(tl.float32), CODE)
+    coef = tl.where(coef > 1.0, 1.0, coef)
+    return coef.to(tl.float64)
+
+
+@triton.jit(do_not_specialize=["chunk_base", "max_norm_bits", "eps_bits"])
+def _scale_kernel(
+    addr_ptr,  # int64 per tensor: data addresses
+    numel_ptr,  # int64 per tensor: element counts
+    chunk_tensor_ptr,  # int64 per chunk: the tensor it belongs to
+    chunk_index_ptr,  # int64 per chunk: its position inside that tensor
+    factor_ptr,  # [1]: the scale (SCALE) or the total norm (CLIP, UNSCALE_CLIP), dtype code FACTOR_CODE
+    inv_scale_ptr,  # float32 [1]: unscale factor (UNSCALE_CLIP)
+    chunk_base,  # first chunk of this launch's group
+    max_norm_bits: tl.int64,  # max_norm as float64 bits (CLIP modes)
+    eps_bits: tl.int64,  # torch's 1e-6 as float64 bits (CLIP modes)
+    CODE: tl.constexpr,  # dtype code of this group's tensors
+    ALIGNED: tl.constexpr,  # this group's addresses are 16-byte aligned
+    MODE: tl.constexpr,  # SCALE, CLIP or UNSCALE_CLIP
+    FACTOR_CODE: tl.constexpr,  # dtype code of factor_ptr
+    CHUNK: tl.constexpr,  # elements per chunk
+    BLOCK: tl.constexpr,  # elements per loop step
+    VEC: tl.constexpr,  # alignment unit of the body, in elements
+):
+    if MODE == 0:
+        factor = tl.load(factor_ptr).to(tl.float64)
+    else:
+        factor = clip_coef(factor_ptr, max_norm_bits, eps_bits, FACTOR_CODE)
+        if MODE == 2:
+            factor = tl.load(inv_scale_ptr).to(tl.float64) * factor
+    if factor == 1.0:
+        return
+    MT: tl.constexpr = math_type(CODE)
+    f = factor.to(MT)
+    chunk = chunk_base + tl.program_id(0).to(tl.int64)
+    t, start, body_end, tail, numel = chunk_bounds(chunk, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, CHUNK, VEC)
+    x_ptr = tensor_ptr(addr_ptr, t, CODE, ALIGNED)
+    for k in range(start, body_end, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        mask = offs < body_end
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        tl.store(x_ptr + offs, to_storage(x.to(MT) * f, x.dtype), mask=mask)
+    offs = tail + tl.arange(0, VEC)
+    mask = tail_mask(offs, start, numel, CHUNK)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(x_ptr + offs, to_storage(x.to(MT) * f, x.dtype), mask=mask)
+
+
+def factor_code(t: torch.Tensor) -> int:
+    code = DTYPE_CODES.get(t.dtype)
+    if code is None:
+        raise TypeError(f"gradfuse.kernels: a scale or total norm of dtype {t.dtype} is not supported")
+    return code
+
+
+def multi_tensor_scale_(
+    table: ct.ChunkTable,
+    mode: int,
+    factor: torch.Tensor,
+    max_norm: float = 0.0,
+    inv_scale: torch.Tensor | None = None,
+) -> None:
+    """``x *= factor`` in place for every tensor of ``table`` (see the module docstring for the
+    modes); nothing is touched when the factor is exactly 1. One launch per table group."""
+    code = factor_code(factor)
+    if mode == UNSCALE_CLIP and inv_scale is None:
+        raise ValueError("gradfuse.kernels: UNSCALE_CLIP needs inv_scale")
+    if mode == SCALE:
+        max_norm_bits = eps_bits = 0
+    else:
+        max_norm_bits = ct.f64_bits(float(max_norm))
+        eps_bits = ct.f64_bits(1e-6)
+    for g in table.groups:
+        ct.launch(
+            _scale_kernel,
+            g,
+            table.addrs[0],
+            table.numel,
+            table.chunk_tensor,
+            table.chunk_index,
+            factor,
+            inv_scale if inv_scale is not None else factor,
+            g.base,
+            max_norm_bits,
+            eps_bits,
+            CODE=g.codes[0],
+            MODE=mode,
+            FACTOR_CODE=code,
+        )
