@@ -1,0 +1,242 @@
+"""The benchmark and the CLI: a quick CPU run's records, and the checks that keep a bench from
+reporting a fast wrong answer. Nothing here asserts speed; the bench only reports it."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from datetime import datetime
+
+import pytest
+import torch
+
+import gradfuse
+from gradfuse.__main__ import main
+from gradfuse.bench import engine
+from gradfuse.bench.measure import BenchError, Device
+from gradfuse.bench.workloads import Workload
+
+# The issue's CPU list: every one must be measured, with torch and gradfuse side by side.
+CPU_WORKLOADS = {
+    "clip_2000x4096_fp32_active": (2000, 3),
+    "clip_2000x4096_fp32_inactive": (2000, 1),
+    "clip_gpt2_fp32_active": (148, 3),
+    "clip_gpt2_fp32_inactive": (148, 1),
+    "clip_gpt2_bf16_active": (148, 3),
+    "clip_gpt2_bf16_inactive": (148, 1),
+    "amp_gpt2_fp32_active": (148, 3),
+    "amp_gpt2_fp32_inactive": (148, 2),  # unscaling always writes: one read/write pass
+    "accumulate_gpt2_bf16": (148, None),
+}
+ITEMSIZE = {"fp32": 4, "bf16": 2}
+REQUIRED = {
+    "workload": str,
+    "family": str,
+    "impl": str,
+    "dtype": str,
+    "median_us": float,
+    "p25_us": float,
+    "p75_us": float,
+    "reps": int,
+    "device": str,
+    "device_type": str,
+    "n_tensors": int,
+    "numel": int,
+    "bytes": int,
+    "gbps": float,
+    "copy_frac": float,
+    "versions": dict,
+    "date": str,
+}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = {k: v for k, v in os.environ.items() if k != "GRADFUSE_BACKEND"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradfuse", "bench", "--device", "cpu", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=out,
+        env=env,
+    )
+    assert proc.returncode == 0, f"bench failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    (json_path,) = out.glob("*.json")
+    return proc, out, json.loads(json_path.read_text())
+
+
+@pytest.mark.slow
+def test_quick_run_writes_one_json_and_one_markdown_file(quick_run):
+    proc, out, doc = quick_run
+    names = sorted(p.suffix for p in out.iterdir())
+    assert names == [".json", ".md"]  # no chart without a CUDA sweep
+    (json_path,) = out.glob("*.json")
+    assert json_path.name.startswith("cpu_") and "_quick" in json_path.name
+    assert doc["schema"] == 1 and doc["failures"] == []
+    md = next(out.glob("*.md")).read_text()
+    table = proc.stdout
+    for name in CPU_WORKLOADS:
+        assert name in md and name in table
+    assert "speedup" in table and "gradfuse" in table
+
+
+@pytest.mark.slow
+def test_records_have_the_schema(quick_run):
+    _, _, doc = quick_run
+    for record in doc["records"]:
+        for key, kind in REQUIRED.items():
+            assert isinstance(record[key], kind), (key, record)
+        assert record["device_type"] == "cpu" and record["quick"] is True
+        assert record["background_load"] is None or record["background_load"] >= 0
+        assert "host_us" not in record and "launches" not in record  # CUDA only
+        assert {"torch", "gradfuse", "python"} <= set(record["versions"])
+        assert record["versions"]["gradfuse"] == gradfuse.__version__
+        assert record["versions"]["torch"] == torch.__version__
+        datetime.fromisoformat(record["date"])
+        assert 0 < record["p25_us"] <= record["median_us"] <= record["p75_us"]
+        assert math.isfinite(record["median_us"])
+        assert record["reps"] == (5 if record["workload"] != "copy" else 2 * 5)  # copies: before and after
+        assert record["gbps"] == pytest.approx(record["bytes"] / record["median_us"] / 1e3, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_every_workload_has_torch_and_gradfuse_and_consistent_speedups(quick_run):
+    _, _, doc = quick_run
+    by_workload = {}
+    for record in doc["records"]:
+        by_workload.setdefault(record["workload"], {})[record["impl"]] = record
+    assert set(by_workload) == {"copy", *CPU_WORKLOADS}
+    assert set(by_workload["accumulate_gpt2_bf16"]) == {"torch", "gradfuse", "torch_foreach"}
+    for name, (n_tensors, passes) in CPU_WORKLOADS.items():
+        impls = by_workload[name]
+        assert {"torch", "gradfuse"} <= set(impls), name
+        torch_median = impls["torch"]["median_us"]
+        for impl, record in impls.items():
+            assert record["n_tensors"] == n_tensors
+            assert record["speedup"] == pytest.approx(torch_median / record["median_us"], rel=1e-9), (name, impl)
+            # The same algorithmic bytes for every implementation of a workload.
+            assert record["bytes"] == impls["torch"]["bytes"]
+            dtype = record["dtype"]
+            if passes is None:
+                assert dtype == "fp32+=bf16" and record["bytes"] == record["numel"] * (4 + 2 + 4)
+            else:
+                assert record["bytes"] == passes * record["numel"] * ITEMSIZE[dtype], name
+        assert impls["torch"]["speedup"] == 1.0
+
+
+@pytest.mark.slow
+def test_copy_baseline_is_present_and_every_bandwidth_is_a_fraction_of_it(quick_run):
+    _, _, doc = quick_run
+    (copy,) = [r for r in doc["records"] if r["workload"] == "copy"]
+    assert copy["impl"] == "torch" and copy["copy_frac"] == 1.0 and copy["speedup"] is None
+    assert copy["bytes"] == 2 * copy["numel"] * 4 >= 2 * 64 * 2**20  # read + write, quick: 64 MiB
+    assert copy["gbps"] > 0
+    for record in doc["records"]:
+        assert record["copy_frac"] == pytest.approx(record["gbps"] / copy["gbps"], rel=1e-9)
+
+
+# --- in process: the checks that catch a wrong or drifting implementation -----------------
+
+
+def _run(workload: str, reps: int = 2):
+    family, shape_set, dtype, *mode = workload.split("_")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    return engine.run_workload(Workload(family, shape_set, dtypes[dtype], *mode), Device(quick=True), reps)
+
+
+def test_in_process_run_measures_every_call():
+    result = _run("clip_2000x4096_fp32_active", reps=3)
+    assert set(result.impls) == {"torch", "gradfuse"}
+    assert all(len(r.times_us) == 3 and min(r.times_us) > 0 for r in result.impls.values())
+
+
+def test_a_clip_that_does_not_rescale_is_reported_as_wrong(monkeypatch):
+    monkeypatch.setattr(
+        gradfuse, "clip_grad_norm_", lambda params, max_norm: gradfuse.get_total_norm([p.grad for p in params])
+    )
+    with pytest.raises(BenchError, match="gradfuse gradients after one call"):
+        _run("clip_2000x4096_fp32_active")
+
+
+def test_an_inaccurate_norm_is_reported_as_wrong(monkeypatch):
+    clip = gradfuse.clip_grad_norm_
+    monkeypatch.setattr(gradfuse, "clip_grad_norm_", lambda params, max_norm: clip(params, max_norm) * (1 + 1e-3))
+    with pytest.raises(BenchError, match="fp64 norm"):
+        _run("clip_gpt2_bf16_inactive")
+
+
+def test_a_clip_that_stops_rescaling_after_the_first_call_is_caught(monkeypatch):
+    """The first call is right (it passes the comparison with torch); later calls only measure.
+    The schedule check sees the next norm on the same buffers 1/0.9 too large."""
+    clip, calls = gradfuse.clip_grad_norm_, []
+
+    def lazy_clip(params, max_norm):
+        calls.append(1)
+        return clip(params, max_norm) if len(calls) == 1 else gradfuse.get_total_norm([p.grad for p in params])
+
+    monkeypatch.setattr(gradfuse, "clip_grad_norm_", lazy_clip)
+    with pytest.raises(BenchError, match="did not rescale"):
+        _run("clip_gpt2_fp32_active")
+
+
+def test_amp_that_sets_found_inf_on_finite_gradients_is_caught(monkeypatch):
+    unscale_and_clip = gradfuse.unscale_and_clip_
+
+    def flagging(tensors, inv_scale, found_inf, max_norm):
+        total = unscale_and_clip(tensors, inv_scale, found_inf, max_norm)
+        found_inf.fill_(1.0)
+        return total
+
+    monkeypatch.setattr(gradfuse, "unscale_and_clip_", flagging)
+    with pytest.raises(BenchError, match="found_inf"):
+        _run("amp_gpt2_fp32_active")
+
+
+def test_wrong_accumulation_is_caught(monkeypatch):
+    monkeypatch.setattr(gradfuse, "accumulate_", lambda dst, src: gradfuse.ops.accumulate_(dst, src, alpha=0.5))
+    with pytest.raises(BenchError, match="gradfuse sums"):
+        _run("accumulate_gpt2_bf16")
+
+
+# --- the command line ---------------------------------------------------------------------
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"gradfuse {gradfuse.__version__}"
+
+
+def test_unknown_command_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["frobnicate"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
+
+
+def test_no_command_is_an_error(capsys):
+    assert main([]) == 2
+    assert "a command is required" in capsys.readouterr().err
+
+
+def test_unknown_workload_is_a_clear_error(capsys, tmp_path):
+    assert main(["bench", "--device", "cpu", "--workloads", "nope", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "'nope' matches no workload" in err and "clip_gpt2_fp32_active" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_cuda_only_workloads_are_not_offered_on_cpu(capsys):
+    assert main(["bench", "--device", "cpu", "--list"]) == 0
+    names = capsys.readouterr().out.split()
+    assert set(names) == set(CPU_WORKLOADS)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message when CUDA is missing")
+def test_cuda_without_a_gpu_is_a_clear_error(capsys):
+    assert main(["bench", "--device", "cuda", "--quick"]) == 2
+    assert "--device cuda needs a CUDA GPU" in capsys.readouterr().err
