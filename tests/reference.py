@@ -19,6 +19,17 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 NORM_TYPES = (2.0, 1.0, 0.0, 3.5, 0.5, -1.0, -2.5, math.inf, -math.inf)
+# (dst, src) dtype pairs of accumulate_: low precision into fp32, same-dtype, and fp64 either side.
+ACCUMULATE_PAIRS = [
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.float64, torch.float32),
+    (torch.float32, torch.float64),
+    (torch.float64, torch.float64),
+]
 # Sizes around the Rust core's boundaries: 16 lanes, 256-element blocks, 32768-element segments.
 EDGE_SIZES = (1, 15, 16, 17, 255, 256, 257, 32767, 32768, 32769)
 

@@ -27,6 +27,7 @@ from gradfuse import _rust
 from gradfuse._plan import DTYPE_CODES
 from gradfuse.kernels import _chunk_table as ct
 from reference import (
+    ACCUMULATE_PAIRS,
     FLOAT_DTYPES,
     NORM_TYPES,
     clones,
@@ -189,16 +190,7 @@ def test_elementwise_ops_bit_exact_with_rust(dtypes):
         both(unscale)
 
 
-PAIRS = [
-    (torch.float32, torch.bfloat16),
-    (torch.float32, torch.float16),
-    (torch.float32, torch.float32),
-    (torch.bfloat16, torch.bfloat16),
-    (torch.float16, torch.float16),
-    (torch.float64, torch.float32),
-    (torch.float32, torch.float64),
-    (torch.float64, torch.float64),
-]
+PAIRS = ACCUMULATE_PAIRS
 
 
 @pytest.mark.parametrize("alpha", [1.0, 0.3], ids=str)

@@ -36,6 +36,7 @@ from gradfuse import _rust
 from gradfuse._plan import DTYPE_CODES, make_plan
 from gradfuse.kernels import _chunk_table as ct
 from reference import (
+    ACCUMULATE_PAIRS,
     FLOAT_DTYPES,
     NORM_TYPES,
     clones,
@@ -433,16 +434,7 @@ def test_unscale_and_clip_skips_the_write_when_the_factor_is_one():
 
 # --- accumulate ---------------------------------------------------------------------------
 
-PAIRS = [
-    (torch.float32, torch.bfloat16),
-    (torch.float32, torch.float16),
-    (torch.float32, torch.float32),
-    (torch.bfloat16, torch.bfloat16),
-    (torch.float16, torch.float16),
-    (torch.float64, torch.float32),
-    (torch.float32, torch.float64),
-    (torch.float64, torch.float64),
-]
+PAIRS = ACCUMULATE_PAIRS
 
 
 @pytest.mark.parametrize("alpha", [1.0, 0.3, -2.0], ids=str)
