@@ -302,6 +302,5 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(accumulate_, m)?)?;
     m.add_function(wrap_pyfunction!(find_overlap, m)?)?;
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;
-    m.add("SEGMENT", crate::tensor::SEGMENT)?;
     Ok(())
 }

@@ -23,7 +23,6 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float16: 2,
     torch.bfloat16: 3,
 }
-CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 ELEMENT_SIZE = {0: 4, 1: 8, 2: 2, 3: 2}
 SUPPORTED = "float32, float64, float16 and bfloat16"
 

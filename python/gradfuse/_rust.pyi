@@ -1,7 +1,5 @@
 """Type stub for the compiled Rust core (`rust/python.rs`). Checked against the module by tests/test_packaging.py."""
 
-SEGMENT: int
-
 class TensorList:
     """Addresses, element counts and dtype codes of a list of live, dense CPU tensors."""
 
