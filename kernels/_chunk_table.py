@@ -413,6 +413,36 @@ def to_storage(v, DT: tl.constexpr):
     return out
 
 
+#: ``op`` of :func:`rewrite_chunk`.
+MUL = tl.constexpr(0)  # x * a
+CLAMP = tl.constexpr(1)  # min(max(x, a), b), NaN kept (NaN < a and NaN > b are false)
+
+
+@triton.jit
+def _apply(v, a, b, OP: tl.constexpr):
+    if OP == 0:
+        r = v * a
+    else:
+        y = tl.where(v < a, a, v)
+        r = tl.where(y > b, b, y)
+    return r
+
+
+@triton.jit
+def rewrite_chunk(x_ptr, start, body_end, tail, numel, a, b, OP: tl.constexpr, MT: tl.constexpr, CHUNK, BLOCK, VEC):
+    """Rewrites this chunk of a tensor in place (body then tail, see :func:`chunk_bounds`):
+    ``x = op(x, a, b)`` computed in ``MT`` and rounded once to the storage dtype."""
+    for k in range(start, body_end, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        mask = offs < body_end
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        tl.store(x_ptr + offs, to_storage(_apply(x.to(MT), a, b, OP), x.dtype), mask=mask)
+    offs = tail + tl.arange(0, VEC)
+    mask = tail_mask(offs, start, numel, CHUNK)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(x_ptr + offs, to_storage(_apply(x.to(MT), a, b, OP), x.dtype), mask=mask)
+
+
 @triton.jit
 def is_finite(x):
     """Element-wise: not inf and not NaN (NaN compares false)."""

@@ -11,13 +11,7 @@ import triton
 import triton.language as tl
 
 from . import _chunk_table as ct
-from ._chunk_table import as_f64, chunk_bounds, math_type, tail_mask, tensor_ptr, to_storage
-
-
-@triton.jit
-def _clamp(v, lo, hi):
-    y = tl.where(v < lo, lo, v)  # NaN < lo is false: NaN kept
-    return tl.where(y > hi, hi, y)
+from ._chunk_table import as_f64, chunk_bounds, math_type, rewrite_chunk, tensor_ptr
 
 
 @triton.jit(do_not_specialize=["chunk_base", "lo_bits", "hi_bits"])
@@ -41,15 +35,7 @@ def _clamp_kernel(
     chunk = chunk_base + tl.program_id(0).to(tl.int64)
     t, start, body_end, tail, numel = chunk_bounds(chunk, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, CHUNK, VEC)
     x_ptr = tensor_ptr(addr_ptr, t, CODE, ALIGNED)
-    for k in range(start, body_end, BLOCK):
-        offs = k + tl.arange(0, BLOCK)
-        mask = offs < body_end
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        tl.store(x_ptr + offs, to_storage(_clamp(x.to(MT), lo, hi), x.dtype), mask=mask)
-    offs = tail + tl.arange(0, VEC)
-    mask = tail_mask(offs, start, numel, CHUNK)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    tl.store(x_ptr + offs, to_storage(_clamp(x.to(MT), lo, hi), x.dtype), mask=mask)
+    rewrite_chunk(x_ptr, start, body_end, tail, numel, lo, hi, ct.CLAMP, MT, CHUNK, BLOCK, VEC)
 
 
 def clamp_(table: ct.ChunkTable, lo: float, hi: float) -> None:

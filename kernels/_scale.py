@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .._plan import DTYPE_CODES
 from . import _chunk_table as ct
-from ._chunk_table import as_f64, chunk_bounds, math_type, tail_mask, tensor_ptr, to_storage
+from ._chunk_table import as_f64, chunk_bounds, math_type, rewrite_chunk, tensor_ptr, to_storage
 
 SCALE, CLIP, UNSCALE_CLIP = 0, 1, 2
 
@@ -88,15 +88,7 @@ def _scale_kernel(
     chunk = chunk_base + tl.program_id(0).to(tl.int64)
     t, start, body_end, tail, numel = chunk_bounds(chunk, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, CHUNK, VEC)
     x_ptr = tensor_ptr(addr_ptr, t, CODE, ALIGNED)
-    for k in range(start, body_end, BLOCK):
-        offs = k + tl.arange(0, BLOCK)
-        mask = offs < body_end
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        tl.store(x_ptr + offs, to_storage(x.to(MT) * f, x.dtype), mask=mask)
-    offs = tail + tl.arange(0, VEC)
-    mask = tail_mask(offs, start, numel, CHUNK)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    tl.store(x_ptr + offs, to_storage(x.to(MT) * f, x.dtype), mask=mask)
+    rewrite_chunk(x_ptr, start, body_end, tail, numel, f, f, ct.MUL, MT, CHUNK, BLOCK, VEC)
 
 
 def factor_code(t: torch.Tensor) -> int:
