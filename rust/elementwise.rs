@@ -5,9 +5,9 @@
 use crate::dtype::{DType, Real, Storage};
 use crate::error::{Error, Result};
 use crate::multiversion;
-use crate::tensor::{Slice, SliceMut, PARALLEL_MIN};
+use crate::parallel;
+use crate::tensor::{Slice, SliceMut};
 use crate::with_slice;
-use rayon::prelude::*;
 
 fn segments_of(tensors: Vec<SliceMut<'_>>) -> Vec<SliceMut<'_>> {
     let mut tagged = Vec::new();
@@ -19,25 +19,12 @@ fn segments_of(tensors: Vec<SliceMut<'_>>) -> Vec<SliceMut<'_>> {
 
 /// Splits every tensor into segments and runs `f` on each, in parallel when the call is big.
 fn for_each_segment<'a>(tensors: Vec<SliceMut<'a>>, f: impl Fn(SliceMut<'a>) + Sync + Send) {
-    let total: usize = tensors.iter().map(SliceMut::len).sum();
-    let segments = segments_of(tensors);
-    if total >= PARALLEL_MIN {
-        segments.into_par_iter().for_each(f);
-    } else {
-        segments.into_iter().for_each(f);
-    }
+    parallel::map(segments_of(tensors), SliceMut::len, f);
 }
 
-/// Like [`for_each_segment`], with `any` over a per-segment boolean.
+/// Like [`for_each_segment`], with `any` over a per-segment boolean (every segment runs).
 fn any_segment<'a>(tensors: Vec<SliceMut<'a>>, f: impl Fn(SliceMut<'a>) -> bool + Sync + Send) -> bool {
-    let total: usize = tensors.iter().map(SliceMut::len).sum();
-    let segments = segments_of(tensors);
-    if total >= PARALLEL_MIN {
-        // `map` then `reduce`, not `any`: every segment must run, `any` would stop early.
-        segments.into_par_iter().map(f).reduce(|| false, |a, b| a | b)
-    } else {
-        segments.into_iter().fold(false, |acc, s| f(s) | acc)
-    }
+    parallel::map(segments_of(tensors), SliceMut::len, f).into_iter().any(|b| b)
 }
 
 multiversion! {
@@ -137,7 +124,6 @@ pub fn accumulate(dst: Vec<SliceMut<'_>>, src: &[Slice<'_>], alpha: f64) -> Resu
             return Err(Error::NumelMismatch { index, dst: d.len(), src: s.len() });
         }
     }
-    let total: usize = src.iter().map(Slice::len).sum();
     let mut pairs = Vec::new();
     for (d, s) in dst.into_iter().zip(src) {
         let mut ds = Vec::new();
@@ -149,11 +135,7 @@ pub fn accumulate(dst: Vec<SliceMut<'_>>, src: &[Slice<'_>], alpha: f64) -> Resu
     let work = |(d, s): (SliceMut<'_>, Slice<'_>)| {
         with_slice!(SliceMut, d, |d| with_slice!(Slice, s, |s| accumulate_typed(d, s, alpha)))
     };
-    if total >= PARALLEL_MIN {
-        pairs.into_par_iter().for_each(work);
-    } else {
-        pairs.into_iter().for_each(work);
-    }
+    parallel::map(pairs, |(_, s)| s.len(), work);
     Ok(())
 }
 

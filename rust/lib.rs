@@ -10,6 +10,9 @@ pub mod dtype;
 pub mod elementwise;
 pub mod error;
 pub mod norm;
+pub mod parallel;
+#[cfg(target_arch = "x86_64")]
+pub mod simd;
 pub mod tensor;
 
 #[cfg(feature = "python")]

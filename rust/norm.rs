@@ -10,9 +10,11 @@ use crate::dtype::{Real, Storage};
 use crate::elementwise::scale_typed;
 use crate::error::{Error, Result};
 use crate::multiversion;
-use crate::tensor::{Slice, SliceMut, PARALLEL_MIN};
+use crate::parallel;
+#[cfg(target_arch = "x86_64")]
+use crate::simd;
+use crate::tensor::{Slice, SliceMut};
 use crate::with_slice;
-use rayon::prelude::*;
 
 /// How a norm order reduces elements. Built from torch's `norm_type` by [`NormKind::from_order`].
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -116,14 +118,13 @@ impl NormKind {
     }
 }
 
-/// Lanes of independent accumulators in the element's arithmetic type (`f32`, or 32 `f64` for
-/// f64 tensors): eight AVX2 registers of independent add chains. Measured on the CI machine
-/// against a plain f32 sum (its read ceiling, ~45 GB/s), interleaved: 16 lanes ran the f32
-/// norm at ~75% and bf16 at ~55%; 32 lanes at ~95% and ~46%; 64 lanes at ~90% and ~68%.
-const LANES: usize = 64;
+/// Lanes of independent accumulators in the element's arithmetic type (`f32`, or 16 `f64` for
+/// f64 tensors). Four AVX2 registers of `f32`, as the hand-written loop in `simd.rs` uses (this
+/// portable loop must compute exactly what that one does).
+const LANES: usize = 32;
 
 /// `f64` lanes the partial sums are folded into, in a fixed order (lane `i` into `i % ACC`).
-/// 8 gave bf16 ~55%, 16 ~68% (same measurement).
+/// 8 gave bf16 ~55% of the read ceiling, 16 ~68% (before `simd.rs`).
 const ACC: usize = 16;
 
 /// Sums the lanes as a balanced tree, in a fixed order.
@@ -144,20 +145,19 @@ fn pairwise(acc: &mut [f64; ACC]) -> f64 {
 /// few ulp of itself), while the bulk of the arithmetic runs in `f32`, twice as wide as `f64`.
 const ROWS: usize = 4;
 
-/// `sum g(u)` over the elements, with `u = x` or (when `UNSCALE`) `u = x * inv`, both formed
-/// and passed through `g` in the element's arithmetic type, summed as described at [`ROWS`];
-/// with `UNSCALE` also whether any `x` was inf/NaN. `N` is the lane count (see [`LANES`]).
+/// The `f64` lanes and inf/NaN flag after the whole blocks of `N * ROWS` elements of `xs`
+/// (its length must be a multiple of that): `sum g(u)` with `u = x` or (when `UNSCALE`)
+/// `u = x * inv`, both formed and passed through `g` in the element's arithmetic type.
 #[inline(always)]
-fn lane_sum<T: Storage, const UNSCALE: bool, const N: usize>(
+fn lane_blocks<T: Storage, const UNSCALE: bool, const N: usize>(
     xs: &[T],
     inv: T::Math,
     g: impl Fn(T::Math) -> T::Math,
-) -> (f64, bool) {
+) -> ([f64; ACC], bool) {
     let zero = <T::Math as Real>::ZERO;
     let mut acc = [0f64; ACC];
     let mut bad = [false; N];
-    let mut blocks = xs.chunks_exact(N * ROWS);
-    for block in &mut blocks {
+    for block in xs.chunks_exact(N * ROWS) {
         let mut part = [zero; N];
         for row in block.chunks_exact(N) {
             for i in 0..N {
@@ -170,22 +170,43 @@ fn lane_sum<T: Storage, const UNSCALE: bool, const N: usize>(
                 }
             }
         }
-        // Lane i folds into i % ACC, written as whole rows of ACC so that it vectorises (the
-        // indexed form compiled to a scalar loop that took ~40% of the time, perf annotate).
         for row in part.chunks_exact(ACC) {
             for (a, &p) in acc.iter_mut().zip(row) {
                 *a += p.to_f64();
             }
         }
     }
-    let mut tail = 0f64;
+    (acc, UNSCALE && bad.iter().any(|&b| b))
+}
+
+/// A segment's sum from the lanes of its whole blocks and its last `tail` elements.
+#[inline(always)]
+fn finish_sum<T: Storage, const UNSCALE: bool>(
+    (mut acc, bad): ([f64; ACC], bool),
+    tail: &[T],
+    inv: T::Math,
+    g: impl Fn(T::Math) -> T::Math,
+) -> (f64, bool) {
+    let mut sum = 0f64;
     let mut tail_bad = false;
-    for &x in blocks.remainder() {
+    for &x in tail {
         let x = <T::Math as Real>::get(x);
         tail_bad |= !x.is_finite();
-        tail += g(if UNSCALE { x * inv } else { x }).to_f64();
+        sum += g(if UNSCALE { x * inv } else { x }).to_f64();
     }
-    (pairwise(&mut acc) + tail, UNSCALE && (tail_bad || bad.iter().any(|&b| b)))
+    (pairwise(&mut acc) + sum, bad || (UNSCALE && tail_bad))
+}
+
+/// `sum g(u)` over the elements, as described at [`lane_blocks`], with `UNSCALE` also whether
+/// any `x` was inf/NaN. `N` is the lane count (see [`LANES`]).
+#[inline(always)]
+fn lane_sum<T: Storage, const UNSCALE: bool, const N: usize>(
+    xs: &[T],
+    inv: T::Math,
+    g: impl Fn(T::Math) -> T::Math + Copy,
+) -> (f64, bool) {
+    let (blocks, tail) = xs.split_at(xs.len() - xs.len() % (N * ROWS));
+    finish_sum::<T, UNSCALE>(lane_blocks::<T, UNSCALE, N>(blocks, inv, g), tail, inv, g)
 }
 
 /// `max |u|` (or `min |u|` when `MIN`) with `u` as in [`lane_sum`]; NaN if any `u` is NaN.
@@ -229,6 +250,8 @@ fn lane_extreme<T: Storage, const UNSCALE: bool, const MIN: bool, const N: usize
 
 /// What a sum-type norm adds up per element (`|u|^p` for its order).
 trait Term: Copy + Send + Sync {
+    /// The same term in `simd.rs`, if it has one there.
+    const SIMD: Option<u8>;
     fn term<R: Real>(self, v: R) -> R;
 }
 
@@ -243,18 +266,21 @@ struct NonZero;
 struct Pow(f64);
 
 impl Term for Square {
+    const SIMD: Option<u8> = Some(simd::SQUARE);
     #[inline(always)]
     fn term<R: Real>(self, v: R) -> R {
         v * v
     }
 }
 impl Term for Abs {
+    const SIMD: Option<u8> = Some(simd::ABS);
     #[inline(always)]
     fn term<R: Real>(self, v: R) -> R {
         v.abs()
     }
 }
 impl Term for NonZero {
+    const SIMD: Option<u8> = Some(simd::NON_ZERO);
     #[inline(always)]
     fn term<R: Real>(self, v: R) -> R {
         if v != R::ZERO {
@@ -265,6 +291,7 @@ impl Term for NonZero {
     }
 }
 impl Term for Pow {
+    const SIMD: Option<u8> = None;
     #[inline(always)]
     fn term<R: Real>(self, v: R) -> R {
         R::from_f64(v.to_f64().abs().powf(self.0))
@@ -280,8 +307,8 @@ fn is_f64<T: Storage>() -> bool {
 // One compiled function per (dtype, order kind): small enough that the hot loop keeps its lanes
 // in registers (one function for every kind spilled to the stack, measured in the disassembly).
 multiversion! {
-    fn sum_segment<T: Storage, G: Term>(xs: &[T], g: G, unscale: Option<f64>) -> (f64, bool) {
-        let f = |v| g.term(v);
+    fn portable_sum_segment<T: Storage, G: Term>(xs: &[T], g: G, unscale: Option<f64>) -> (f64, bool) {
+        let f = move |v| g.term(v);
         match (unscale, is_f64::<T>()) {
             (None, false) => lane_sum::<T, false, LANES>(xs, <T::Math as Real>::ONE, f),
             (None, true) => lane_sum::<T, false, { LANES / 2 }>(xs, <T::Math as Real>::ONE, f),
@@ -289,6 +316,43 @@ multiversion! {
             (Some(inv), true) => lane_sum::<T, true, { LANES / 2 }>(xs, <T::Math as Real>::from_f64(inv), f),
         }
     }
+}
+
+/// `simd::sum_blocks` for the whole blocks, the portable tail for the rest.
+///
+/// # Safety
+/// As `simd::sum_blocks`: AVX2/FMA/F16C present, `T` not f64.
+#[cfg(target_arch = "x86_64")]
+unsafe fn simd_sum_segment<T: Storage, G: Term, const OP: u8>(xs: &[T], g: G, unscale: Option<f64>) -> (f64, bool) {
+    let (blocks, tail) = xs.split_at(xs.len() - xs.len() % simd::BLOCK);
+    let f = move |v| g.term(v);
+    match unscale {
+        None => finish_sum::<T, false>(simd::sum_blocks::<T, OP, false>(blocks, 1.0), tail, <T::Math as Real>::ONE, f),
+        Some(inv) => {
+            let inv32 = inv as f32;
+            let lanes = simd::sum_blocks::<T, OP, true>(blocks, inv32);
+            finish_sum::<T, true>(lanes, tail, <T::Math as Real>::from_f64(inv), f)
+        }
+    }
+}
+
+/// A segment's `sum g(u)` (and inf/NaN flag): the AVX2 loop where there is one, else the
+/// portable loop; both give the same bits.
+#[inline(always)]
+fn sum_segment<T: Storage, G: Term>(xs: &[T], g: G, unscale: Option<f64>) -> (f64, bool) {
+    #[cfg(target_arch = "x86_64")]
+    if !is_f64::<T>() && G::SIMD.is_some() && crate::dtype::has_avx2() {
+        // SAFETY: the CPU has AVX2/FMA/F16C (checked) and T's arithmetic type is f32, so T is
+        // f32, f16 or bf16.
+        unsafe {
+            return match G::SIMD {
+                Some(simd::SQUARE) => simd_sum_segment::<T, G, { simd::SQUARE }>(xs, g, unscale),
+                Some(simd::ABS) => simd_sum_segment::<T, G, { simd::ABS }>(xs, g, unscale),
+                _ => simd_sum_segment::<T, G, { simd::NON_ZERO }>(xs, g, unscale),
+            };
+        }
+    }
+    portable_sum_segment(xs, g, unscale)
 }
 
 multiversion! {
@@ -347,15 +411,6 @@ fn combine(kind: NormKind, n_tensors: usize, tags: &[usize], partials: &[(f64, b
     NormResult { total: kind.total(&raws), per_tensor: raws.iter().map(|&r| kind.finish(r)).collect(), found_inf }
 }
 
-/// Runs `work` on every segment, in parallel when the call is big, keeping segment order.
-fn map_segments<S: Send, R: Send>(segments: Vec<S>, total_len: usize, work: impl Fn(S) -> R + Sync + Send) -> Vec<R> {
-    if total_len >= PARALLEL_MIN {
-        segments.into_par_iter().map(work).collect()
-    } else {
-        segments.into_iter().map(work).collect()
-    }
-}
-
 fn run(kind: NormKind, tensors: &[Slice<'_>], unscale: Option<f64>) -> Result<NormResult> {
     check_nonempty(kind, tensors.iter().map(Slice::len))?;
     let mut segments = Vec::new();
@@ -363,9 +418,8 @@ fn run(kind: NormKind, tensors: &[Slice<'_>], unscale: Option<f64>) -> Result<No
         t.segments_into(i, &mut segments);
     }
     let tags: Vec<usize> = segments.iter().map(|&(t, _)| t).collect();
-    let total_len = tensors.iter().map(Slice::len).sum();
     let partials =
-        map_segments(segments, total_len, |(_, s)| with_slice!(Slice, s, |x| reduce_segment(kind, x, unscale)));
+        parallel::map(segments, |(_, s)| s.len(), |(_, s)| with_slice!(Slice, s, |x| reduce_segment(kind, x, unscale)));
     Ok(combine(kind, tensors.len(), &tags, &partials))
 }
 
@@ -389,21 +443,24 @@ pub fn unscale_norm_(tensors: Vec<SliceMut<'_>>, inv_scale: f64, p: f64) -> Resu
     let kind = NormKind::from_order(p)?;
     check_nonempty(kind, tensors.iter().map(SliceMut::len))?;
     let n_tensors = tensors.len();
-    let total_len = tensors.iter().map(SliceMut::len).sum();
     let mut segments = Vec::new();
     for (i, t) in tensors.into_iter().enumerate() {
         t.segments_into(i, &mut segments);
     }
     let tags: Vec<usize> = segments.iter().map(|(t, _)| *t).collect();
-    let partials = map_segments(segments, total_len, |(_, s)| {
-        with_slice!(SliceMut, s, |x| {
-            let r = reduce_segment(kind, &*x, Some(inv_scale));
-            if inv_scale != 1.0 {
-                scale_typed(x, inv_scale);
-            }
-            r
-        })
-    });
+    let partials = parallel::map(
+        segments,
+        |(_, s)| s.len(),
+        |(_, s)| {
+            with_slice!(SliceMut, s, |x| {
+                let r = reduce_segment(kind, &*x, Some(inv_scale));
+                if inv_scale != 1.0 {
+                    scale_typed(x, inv_scale);
+                }
+                r
+            })
+        },
+    );
     Ok(combine(kind, n_tensors, &tags, &partials))
 }
 
@@ -544,5 +601,61 @@ mod tests {
         let h = [f16::from_f32(1.0); 2];
         let r = unscale_check_norm(&[Slice::F16(&h)], 2f64.powi(-30), 1.0).unwrap();
         assert_eq!(r.total, 2.0 * 2f64.powi(-30));
+    }
+
+    /// Elements of every kind the loops must agree on: ordinary values of many magnitudes,
+    /// signed zeros, and (when `specials`) inf and NaN at scattered positions.
+    #[cfg(target_arch = "x86_64")]
+    fn mixed<T: Storage>(n: usize, seed: u64, specials: bool) -> Vec<T> {
+        data(n, seed)
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| match i % 97 {
+                3 => T::put_f64(0.0),
+                5 => T::put_f64(-0.0),
+                11 if specials => T::put_f64(f64::INFINITY),
+                13 if specials && seed % 2 == 0 => T::put_f64(f64::NAN),
+                _ => T::put_f64(v * 2f64.powi((i % 23) as i32 - 11)),
+            })
+            .collect()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn same_bits<T: Storage, G: Term, const OP: u8>(xs: &[T], g: G) {
+        for unscale in [None, Some(0.37), Some(2f64.powi(-14)), Some(65536.0)] {
+            let want = portable_sum_segment(xs, g, unscale);
+            // SAFETY: the caller checked for AVX2; T is f32, f16 or bf16.
+            let got = unsafe { simd_sum_segment::<T, G, OP>(xs, g, unscale) };
+            let what = format!("{:?}, op {OP}, n {}, unscale {unscale:?}", T::DTYPE, xs.len());
+            assert!(
+                got.0.to_bits() == want.0.to_bits() || (got.0.is_nan() && want.0.is_nan()),
+                "{what}: {got:?} vs {want:?}"
+            );
+            assert_eq!(got.1, want.1, "{what}");
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn simd_matches_portable_for<T: Storage>() {
+        for (n, seed) in [(0, 1), (1, 2), (127, 3), (128, 4), (129, 5), (1000, 6), (SEGMENT, 7), (SEGMENT - 1, 8)] {
+            for specials in [false, true] {
+                let xs = mixed::<T>(n, seed, specials);
+                same_bits::<T, Square, { simd::SQUARE }>(&xs, Square);
+                same_bits::<T, Abs, { simd::ABS }>(&xs, Abs);
+                same_bits::<T, NonZero, { simd::NON_ZERO }>(&xs, NonZero);
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn simd_loop_gives_the_portable_loops_bits() {
+        if !crate::dtype::has_avx2() {
+            eprintln!("no AVX2/FMA/F16C here: only the portable loop runs");
+            return;
+        }
+        simd_matches_portable_for::<f32>();
+        simd_matches_portable_for::<f16>();
+        simd_matches_portable_for::<bf16>();
     }
 }

@@ -11,6 +11,7 @@ use crate::dtype::DType;
 use crate::elementwise;
 use crate::error::Error;
 use crate::norm::{self as norms, NormResult};
+use crate::parallel;
 use crate::tensor::{find_conflict, RawTensor, Slice, SliceMut};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -287,7 +288,25 @@ fn find_overlap(starts: Vec<usize>, ends: Vec<usize>, written: Vec<bool>) -> PyR
 /// Number of threads the CPU kernels run on.
 #[pyfunction]
 fn num_threads() -> usize {
-    rayon::current_num_threads()
+    parallel::num_threads()
+}
+
+/// Run the CPU kernels on the OpenMP runtime (torch's) whose entry points are at these
+/// addresses: `GOMP_parallel`, `omp_get_thread_num`, `omp_get_num_threads`,
+/// `omp_get_max_threads`. Returns whether they are in use.
+///
+/// The addresses come from `ctypes` lookups of a runtime loaded in this process for good,
+/// which is all `parallel::use_openmp` asks.
+#[pyfunction]
+fn use_openmp(parallel: usize, thread_num: usize, num_threads: usize, max_threads: usize) -> bool {
+    // SAFETY: see above; the Python layer passes only addresses of those four symbols.
+    unsafe { parallel::use_openmp(parallel, thread_num, num_threads, max_threads) }
+}
+
+/// Whether the CPU kernels run on an OpenMP team (see `use_openmp`), else on rayon's pool.
+#[pyfunction]
+fn on_openmp() -> bool {
+    parallel::on_openmp()
 }
 
 #[pymodule]
@@ -302,5 +321,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(accumulate_, m)?)?;
     m.add_function(wrap_pyfunction!(find_overlap, m)?)?;
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(use_openmp, m)?)?;
+    m.add_function(wrap_pyfunction!(on_openmp, m)?)?;
     Ok(())
 }

@@ -7,12 +7,37 @@ tensors are read with ``item()``, which on the CPU is a memory read, not a devic
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
 
 from . import _rust
 from ._plan import DTYPE_CODES, Plan, nonfinite_total_error
+
+_OPENMP_ENTRY_POINTS = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_get_max_threads")
+
+
+def _use_torchs_threads() -> bool:
+    """Run the Rust kernels' parallel loops on torch's OpenMP team, when torch has one.
+
+    torch's OpenMP workers spin for a while after each parallel op; a second pool of threads
+    beside them shares the cores with spinning threads (a norm run right after a torch op
+    took 1.7x as long, see rust/parallel.rs). Work handed to torch's team runs on the threads
+    already spinning, and follows ``torch.set_num_threads``. Without OpenMP in torch (or
+    without the entry points in the process), the kernels keep rayon's pool.
+    """
+    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return False
+    try:
+        process = ctypes.CDLL(None)  # every symbol loaded globally: torch's OpenMP runtime's
+        addrs = [ctypes.cast(getattr(process, name), ctypes.c_void_p).value for name in _OPENMP_ENTRY_POINTS]
+    except (AttributeError, OSError, TypeError):
+        return False
+    return _rust.use_openmp(*addrs)
+
+
+_use_torchs_threads()
 
 
 def _tensor_list(plan: Plan) -> _rust.TensorList:
