@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gradfuse
+from gradfuse import _rust
 from reference import (
     EDGE_SIZES,
     FLOAT_DTYPES,
@@ -134,11 +135,38 @@ def test_fp16_squares_do_not_overflow():
     assert gradfuse.multi_tensor_norm([g]).item() == pytest.approx(60000.0 * math.sqrt(8), rel=1e-6)
 
 
-def test_norm_is_deterministic():
-    tensors = [randn((70000,), torch.float32), randn((33, 1000), torch.bfloat16)]
-    a = gradfuse.multi_tensor_norm(tensors, 2.0)
-    b = gradfuse.multi_tensor_norm(tensors, 2.0)
-    assert same_bits(a, b)
+@pytest.fixture
+def torch_threads():
+    """Sets torch's intra-op thread count for one test, restoring it after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_kernels_run_on_torchs_openmp_team(torch_threads):
+    """With torch on OpenMP the Rust kernels run as OpenMP regions on torch's team (rayon's
+    pool would share the cores with torch's spinning workers) and follow set_num_threads."""
+    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("this torch build does not use OpenMP")
+    gradfuse.multi_tensor_norm([torch.ones(3)])  # the CPU backend hooks up on first use
+    assert _rust.on_openmp()
+    for n in (1, 3):
+        torch_threads(n)
+        assert _rust.num_threads() == n
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_results_are_bitwise_the_same_for_any_thread_count(torch_threads, threads):
+    # Many segments, split unevenly between threads; sums depend only on the segment order.
+    tensors = [randn((70000,), torch.float32), randn((33, 1000), torch.bfloat16), randn((200_001,), torch.float16)]
+    torch_threads(1)
+    want = gradfuse.multi_tensor_norm(tensors, 2.0, per_tensor=True)
+    want_ucn = gradfuse.unscale_check_norm(tensors, torch.tensor([0.25]), 1.0)
+    torch_threads(threads)
+    got = gradfuse.multi_tensor_norm(tensors, 2.0, per_tensor=True)
+    got_ucn = gradfuse.unscale_check_norm(tensors, torch.tensor([0.25]), 1.0)
+    assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
+    assert same_bits(got_ucn[0], want_ucn[0]) and same_bits(got_ucn[1], want_ucn[1])
 
 
 def test_norm_of_empty_list_is_zero():
