@@ -336,6 +336,46 @@ unsafe fn simd_sum_segment<T: Storage, G: Term, const OP: u8>(xs: &[T], g: G, un
     }
 }
 
+/// The fused in-place unscale of an f32 segment: `simd::unscale_blocks` for the whole blocks,
+/// the portable tail for the rest. Same bits, in the reduction and in memory, as
+/// [`reduce_segment`] followed by `scale_typed`.
+///
+/// # Safety
+/// As `simd::sum_blocks`: AVX2/FMA/F16C present.
+#[cfg(target_arch = "x86_64")]
+unsafe fn simd_unscale_segment<G: Term, const OP: u8>(xs: &mut [f32], g: G, inv: f64) -> (f64, bool) {
+    let whole = xs.len() - xs.len() % simd::BLOCK;
+    let (blocks, tail) = xs.split_at_mut(whole);
+    let lanes = simd::unscale_blocks::<OP>(blocks, inv as f32);
+    let r = finish_sum::<f32, true>(lanes, tail, inv as f32, move |v| g.term(v));
+    scale_typed(tail, inv);
+    r
+}
+
+/// A segment's raw reduction of `x * inv` (and whether any `x` is inf/NaN), leaving `x * inv`
+/// in place (rounded to the storage type; untouched when `inv` is 1).
+fn unscale_reduce_segment<T: Storage>(kind: NormKind, xs: &mut [T], inv: f64) -> (f64, bool) {
+    #[cfg(target_arch = "x86_64")]
+    if T::DTYPE == crate::dtype::DType::F32 && inv != 1.0 && crate::dtype::has_avx2() {
+        // SAFETY: T is f32 (its DTYPE says so), so this is the same slice with its own type.
+        let xs32 = unsafe { std::slice::from_raw_parts_mut(xs.as_mut_ptr().cast::<f32>(), xs.len()) };
+        // SAFETY: the CPU has AVX2/FMA/F16C (checked).
+        unsafe {
+            match kind {
+                NormKind::Two => return simd_unscale_segment::<_, { simd::SQUARE }>(xs32, Square, inv),
+                NormKind::One => return simd_unscale_segment::<_, { simd::ABS }>(xs32, Abs, inv),
+                NormKind::Zero => return simd_unscale_segment::<_, { simd::NON_ZERO }>(xs32, NonZero, inv),
+                _ => {}
+            }
+        }
+    }
+    let r = reduce_segment(kind, &*xs, Some(inv));
+    if inv != 1.0 {
+        scale_typed(xs, inv);
+    }
+    r
+}
+
 /// A segment's `sum g(u)` (and inf/NaN flag): the AVX2 loop where there is one, else the
 /// portable loop; both give the same bits.
 #[inline(always)]
@@ -437,8 +477,8 @@ pub fn unscale_check_norm(tensors: &[Slice<'_>], inv_scale: f64, p: f64) -> Resu
 
 /// In one read-write pass: `x *= inv_scale` in place (formed in the tensor's arithmetic type)
 /// and, exactly as [`unscale_check_norm`] would report them, the norm of the unscaled values
-/// and whether any input was inf/NaN. Each segment is reduced, then scaled while it is still
-/// in cache, so memory is read and written once.
+/// and whether any input was inf/NaN. Each segment is reduced and scaled in one loop (f32 on
+/// AVX2) or reduced, then scaled while it is still in cache: memory is read and written once.
 pub fn unscale_norm_(tensors: Vec<SliceMut<'_>>, inv_scale: f64, p: f64) -> Result<NormResult> {
     let kind = NormKind::from_order(p)?;
     check_nonempty(kind, tensors.iter().map(SliceMut::len))?;
@@ -451,15 +491,7 @@ pub fn unscale_norm_(tensors: Vec<SliceMut<'_>>, inv_scale: f64, p: f64) -> Resu
     let partials = parallel::map(
         segments,
         |(_, s)| s.len(),
-        |(_, s)| {
-            with_slice!(SliceMut, s, |x| {
-                let r = reduce_segment(kind, &*x, Some(inv_scale));
-                if inv_scale != 1.0 {
-                    scale_typed(x, inv_scale);
-                }
-                r
-            })
-        },
+        |(_, s)| with_slice!(SliceMut, s, |x| unscale_reduce_segment(kind, x, inv_scale)),
     );
     Ok(combine(kind, n_tensors, &tags, &partials))
 }
@@ -657,5 +689,40 @@ mod tests {
         simd_matches_portable_for::<f32>();
         simd_matches_portable_for::<f16>();
         simd_matches_portable_for::<bf16>();
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn fused_unscale_same_bits<G: Term, const OP: u8>(xs: &[f32], g: G) {
+        for inv in [0.37, 2f64.powi(-16), 65536.0] {
+            let want = portable_sum_segment(xs, g, Some(inv));
+            let want_x: Vec<f32> = xs.iter().map(|&x| x * inv as f32).collect();
+            let mut got_x = xs.to_vec();
+            // SAFETY: the caller checked for AVX2.
+            let got = unsafe { simd_unscale_segment::<G, OP>(&mut got_x, g, inv) };
+            let what = format!("op {OP}, n {}, inv {inv}", xs.len());
+            assert!(
+                got.0.to_bits() == want.0.to_bits() || (got.0.is_nan() && want.0.is_nan()),
+                "{what}: {got:?} vs {want:?}"
+            );
+            assert_eq!(got.1, want.1, "{what}");
+            let same = got_x.iter().zip(&want_x).all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()));
+            assert!(same, "{what}: unscaled values differ");
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn fused_unscale_loop_gives_the_two_loops_bits() {
+        if !crate::dtype::has_avx2() {
+            return;
+        }
+        for (n, seed) in [(0, 1), (5, 2), (128, 4), (1000, 6), (SEGMENT, 7)] {
+            for specials in [false, true] {
+                let xs = mixed::<f32>(n, seed, specials);
+                fused_unscale_same_bits::<Square, { simd::SQUARE }>(&xs, Square);
+                fused_unscale_same_bits::<Abs, { simd::ABS }>(&xs, Abs);
+                fused_unscale_same_bits::<NonZero, { simd::NON_ZERO }>(&xs, NonZero);
+            }
+        }
     }
 }

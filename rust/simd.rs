@@ -47,19 +47,44 @@ unsafe fn term<const OP: u8>(u: __m256, abs_mask: __m256, one: __m256) -> __m256
 /// The CPU must have AVX2, FMA and F16C (`dtype::has_avx2`), and `T` must not be f64.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn sum_blocks<T: Storage, const OP: u8, const UNSCALE: bool>(xs: &[T], inv: f32) -> ([f64; 16], bool) {
-    debug_assert_eq!(xs.len() % BLOCK, 0);
+    // Never written: STORE is false.
+    blocks::<T, OP, UNSCALE, false>(xs.as_ptr().cast_mut(), xs.len(), inv)
+}
+
+/// As [`sum_blocks`] with `UNSCALE`, for f32 tensors, also leaving `u = x * inv` in place: the
+/// in-place unscale and its norm in one loop (two loops, the second re-reading the segment
+/// from cache, ran ~30% slower than a plain scale pass; measured).
+///
+/// # Safety
+/// As [`sum_blocks`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn unscale_blocks<const OP: u8>(xs: &mut [f32], inv: f32) -> ([f64; 16], bool) {
+    blocks::<f32, OP, true, true>(xs.as_mut_ptr(), xs.len(), inv)
+}
+
+/// The loop behind [`sum_blocks`] and [`unscale_blocks`]; `STORE` writes `u` back (f32 only).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn blocks<T: Storage, const OP: u8, const UNSCALE: bool, const STORE: bool>(
+    xs: *mut T,
+    len: usize,
+    inv: f32,
+) -> ([f64; 16], bool) {
+    debug_assert_eq!(len % BLOCK, 0);
+    debug_assert!(!STORE || (UNSCALE && T::DTYPE == DType::F32));
     let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
     let one = _mm256_set1_ps(1.0);
     let inf = _mm256_set1_ps(f32::INFINITY);
     let inv = _mm256_set1_ps(inv);
     let mut acc = [_mm256_setzero_pd(); 4];
     let mut bad = _mm256_setzero_ps();
-    for block in xs.chunks_exact(BLOCK) {
-        let p = block.as_ptr();
+    for b in 0..len / BLOCK {
+        let p = xs.add(b * BLOCK);
         let mut part = [_mm256_setzero_ps(); 4];
         for row in 0..4 {
             for (k, lane) in part.iter_mut().enumerate() {
-                let x = load8(p.add(row * 32 + k * 8));
+                let at = p.add(row * 32 + k * 8);
+                let x = load8(at);
                 let u = if UNSCALE {
                     // !is_finite(x): |x| < inf fails for inf and NaN alike.
                     bad = _mm256_or_ps(bad, _mm256_cmp_ps::<_CMP_NLT_UQ>(_mm256_and_ps(x, abs_mask), inf));
@@ -67,6 +92,9 @@ pub unsafe fn sum_blocks<T: Storage, const OP: u8, const UNSCALE: bool>(xs: &[T]
                 } else {
                     x
                 };
+                if STORE {
+                    _mm256_storeu_ps(at.cast(), u);
+                }
                 let t = term::<OP>(u, abs_mask, one);
                 // Row 0 starts the sum: 0 + t == t bitwise for these terms (never -0).
                 *lane = if row == 0 { t } else { _mm256_add_ps(*lane, t) };
