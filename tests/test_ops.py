@@ -197,6 +197,31 @@ def test_norm_releases_the_gil():
     assert after > before
 
 
+def test_concurrent_calls_from_python_threads_agree():
+    """Each Python thread's call runs its own parallel region (OpenMP team or rayon); calls at
+    the same time from several threads must neither deadlock nor mix up their results."""
+    lists = [[randn((300_000,), dtype), randn((70_001,), dtype)] for dtype in (torch.float32, torch.bfloat16)] * 2
+    want = [gradfuse.multi_tensor_norm(ts, 2.0) for ts in lists]
+    scaled = [[t.clone() for t in ts] for ts in lists]
+    got = [None] * len(lists)
+
+    def work(i):
+        for _ in range(5):
+            got[i] = gradfuse.multi_tensor_norm(lists[i], 2.0)
+            gradfuse.multi_tensor_scale_(scaled[i], torch.tensor(0.5))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(lists))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert all(same_bits(g, w) for g, w in zip(got, want, strict=True))
+    for ts, out in zip(lists, scaled, strict=True):
+        for t, o in zip(ts, out, strict=True):
+            assert torch.equal(o, t * 0.5**5)
+
+
 # --- in-place element-wise ops --------------------------------------------------------------
 
 
