@@ -11,7 +11,6 @@ pub mod elementwise;
 pub mod error;
 pub mod norm;
 pub mod parallel;
-#[cfg(target_arch = "x86_64")]
 pub mod simd;
 pub mod tensor;
 

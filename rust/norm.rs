@@ -11,7 +11,6 @@ use crate::elementwise::scale_typed;
 use crate::error::{Error, Result};
 use crate::multiversion;
 use crate::parallel;
-#[cfg(target_arch = "x86_64")]
 use crate::simd;
 use crate::tensor::{Slice, SliceMut};
 use crate::with_slice;
@@ -250,7 +249,8 @@ fn lane_extreme<T: Storage, const UNSCALE: bool, const MIN: bool, const N: usize
 
 /// What a sum-type norm adds up per element (`|u|^p` for its order).
 trait Term: Copy + Send + Sync {
-    /// The same term in `simd.rs`, if it has one there.
+    /// The same term in `simd.rs`, if it has one there (used on x86-64 only).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     const SIMD: Option<u8>;
     fn term<R: Real>(self, v: R) -> R;
 }
