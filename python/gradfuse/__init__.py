@@ -24,10 +24,12 @@ from .ops import (
     unscale_and_clip_,
     unscale_check_norm,
 )
+from .scaler import GradScaler
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradScaler",
     "__version__",
     "accumulate_",
     "clip_grad_norm",

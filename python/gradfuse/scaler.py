@@ -1,0 +1,271 @@
+"""``gradfuse.GradScaler``: torch's AMP loss scaler, with fused unscaling and clipping folded
+into the optimizer.
+
+A subclass of ``torch.amp.GradScaler``: the constructor, ``scale``, ``step``, ``update``, the
+growth/backoff rule and the state dict are torch's own, so the two are interchangeable and a
+state dict saved by either loads into the other. Two things change:
+
+* ``unscale_`` (and the inf/NaN check ``step`` runs for an optimizer that unscales itself)
+  is one fused pass per device over every gradient, whatever its dtype, instead of one
+  ``_amp_foreach_non_finite_check_and_unscale_`` per device and dtype.
+* ``unscale_and_clip_(optimizer, max_norm, norm_type)`` unscales, checks for inf/NaN, measures
+  the norm of the unscaled gradients and clips them. For an optimizer that applies a gradient
+  scale itself (torch's fused Adam, AdamW, SGD and Adagrad, which set
+  ``_step_supports_amp_scaling``), nothing is written: one read-only pass gives the norm and
+  ``found_inf``, the clip coefficient ``min(max_norm / (norm + 1e-6), 1)`` is computed on the
+  device, and ``step`` hands the optimizer ``grad_scale = scale / clip_coef``, which it
+  divides the gradients by as it reads them. Otherwise the gradients are unscaled and clipped
+  in place, in two passes (a read, then one write of ``grad * inv_scale * clip_coef``).
+
+Clipping without loss scaling (bf16 or fp32 training) is the same call on a disabled scaler,
+``GradScaler(enabled=False)``: ``scale`` returns the loss unchanged, ``update`` does nothing,
+and ``unscale_and_clip_`` + ``step`` clip through the optimizer's read as above (one read-only
+norm pass in all), skipping a step whose gradients hold inf or NaN as an enabled scaler does.
+
+No host sync anywhere, except where torch's scaler has one: ``step`` on an optimizer that
+does not take ``found_inf`` must read it to decide whether to step.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from . import _plan as P
+from .clip import _check_all, _combine_totals, _fused_groups
+from .ops import check_max_norm, multi_tensor_scale_, unscale_and_check_, unscale_and_clip_, unscale_check_norm
+
+Tensor = torch.Tensor
+
+__all__ = ["GradScaler"]
+
+EPS = 1e-6  # torch's clip coefficient: max_norm / (total_norm + EPS)
+
+
+@dataclass
+class _Unscaled:
+    """What ``unscale_and_clip_`` leaves for ``step``."""
+
+    found_inf: Tensor  # 0-d float32, 1.0 if any gradient held inf or NaN
+    grad_scale: Tensor | None  # scale / clip_coef, for an optimizer that divides by it as it reads
+
+
+def _optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    return [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
+
+
+def _folds(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` reads ``optimizer.grad_scale``/``found_inf`` (torch's contract
+    for ``_step_supports_amp_scaling``; the older one passes the scaler itself, not folded)."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False) and (
+        "grad_scaler" not in inspect.signature(optimizer.step).parameters
+    )
+
+
+def clip_coef(total_norm: Tensor, max_norm: float) -> Tensor:
+    """``min(max_norm / (total_norm + 1e-6), 1)`` on the norm's device, as torch computes it."""
+    return torch.clamp(max_norm / (total_norm + EPS), max=1.0)
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` with a fused ``unscale_`` and ``unscale_and_clip_`` (see the
+    module docstring). Same constructor: ``GradScaler(device="cuda", init_scale=2.**16,
+    growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, enabled=True)``."""
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        self._unscaled: dict[int, _Unscaled] = {}  # id(optimizer) -> left by unscale_and_clip_
+
+    # --- torch's unscaling, fused ---------------------------------------------------------
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        """Every unscale of torch's scaler comes through here: one fused pass per device."""
+        grads = _optimizer_grads(optimizer)
+        if not allow_fp16 and any(g.dtype == torch.float16 for g in grads):
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        groups = _fused_groups(grads) if grads else {}
+        if groups is not None:
+            try:
+                with torch.no_grad():
+                    _check_all(groups)
+                    found = {}
+                    for device, group in groups.items():
+                        found[device] = found_inf.to(device, copy=True)
+                        unscale_and_check_(group, inv_scale.to(device), found[device])
+                    return found
+            except P.UnsupportedTensorError:  # sparse gradients and the like: torch's way
+                pass
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+    def _check_inf_per_device(self, optimizer):
+        """For an optimizer that unscales as it reads: only check, in a read-only pass."""
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        grads = _optimizer_grads(optimizer)
+        groups = _fused_groups(grads) if grads else {}
+        if groups is None:
+            return super()._check_inf_per_device(optimizer)
+        try:
+            with torch.no_grad():
+                _check_all(groups)
+                one = torch.ones((), dtype=torch.float32, device=scale.device)
+                found = {device: unscale_check_norm(g, one.to(device))[1] for device, g in groups.items()}
+        except P.UnsupportedTensorError:
+            return super()._check_inf_per_device(optimizer)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
+        return found
+
+    # --- unscale + check + norm + clip --------------------------------------------------------
+
+    def unscale_and_clip_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Unscale the optimizer's gradients, check them for inf/NaN, and clip them to
+        ``max_norm`` (torch's rule: ``grad *= min(max_norm / (norm + 1e-6), 1)``); returns the
+        ``norm_type``-norm of the unscaled gradients (fp32, or fp64 for fp64 gradients), before
+        clipping. ``step`` then skips a step whose gradients held inf or NaN.
+
+        Call it once per optimizer between ``scale(loss).backward()`` and ``step``, in place of
+        ``unscale_`` + ``clip_grad_norm_``. For an optimizer that takes ``grad_scale`` (fused
+        Adam/AdamW/SGD/Adagrad) the gradients are only read here; the unscale and the clip are
+        applied by ``step``, inside the optimizer's own read. No host sync.
+        """
+        op = "GradScaler.unscale_and_clip_"
+        max_norm = check_max_norm(op, max_norm)
+        norm_type = P.check_norm_type(op, norm_type)
+        self._check_ready(optimizer)
+        grads = _optimizer_grads(optimizer)
+        groups = _fused_groups(grads) if grads else None
+        if groups is None:
+            return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type)
+        first = next(iter(groups))
+        scale = self._scale.to(first) if self._enabled else torch.ones((), dtype=torch.float32, device=first)
+        # In fp64 then rounded, as torch's unscale_ forms it.
+        inv_scale = scale.double().reciprocal().float()
+        try:
+            with torch.no_grad():
+                _check_all(groups)
+                folds = _folds(optimizer)
+                if folds or len(groups) > 1:
+                    total, found, coef = self._measure(groups, inv_scale, max_norm, norm_type)
+                    if folds:
+                        grad_scale = (scale / coef).float()
+                    else:
+                        grad_scale = None
+                        for device, group in groups.items():
+                            multi_tensor_scale_(group, (inv_scale * coef).to(device))
+                else:
+                    found = {first: torch.zeros((), dtype=torch.float32, device=first)}
+                    total = unscale_and_clip_(groups[first], inv_scale, found[first], max_norm, norm_type)
+                    grad_scale = None
+        except P.UnsupportedTensorError:
+            return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type)
+        self._record(optimizer, found, grad_scale)
+        return total
+
+    @staticmethod
+    def _measure(groups, inv_scale: Tensor, max_norm: float, norm_type: float):
+        """One read-only pass per device: (total norm of the unscaled gradients, found_inf per
+        device, clip coefficient), all on the devices."""
+        norms, found = [], {}
+        for device, group in groups.items():
+            norm, found[device] = unscale_check_norm(group, inv_scale.to(device), norm_type)
+            norms.append(norm)
+        total = _combine_totals(norms, norm_type)
+        return total, found, clip_coef(total, max_norm).to(inv_scale.device)
+
+    def _unscale_and_clip_by_torch(self, optimizer, max_norm: float, norm_type: float) -> Tensor:
+        """Gradients gradfuse cannot run (sparse, DTensor, ...): torch's unscale_ and clip."""
+        from .clip import clip_grad_norm_
+
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if self._enabled:
+            self.unscale_(optimizer)
+            total = clip_grad_norm_(params, max_norm, norm_type)
+            return total
+        total = clip_grad_norm_(params, max_norm, norm_type)
+        found = (~torch.isfinite(total)).float()
+        self._record(optimizer, {total.device: found}, None)
+        return total
+
+    def _check_ready(self, optimizer) -> None:
+        if self._enabled:
+            self._check_scale_growth_tracker("unscale_and_clip_")
+            stage = self._per_optimizer_states[id(optimizer)]["stage"]
+            if stage is OptState.UNSCALED:
+                raise RuntimeError(
+                    "unscale_and_clip_() or unscale_() has already been called on this optimizer "
+                    "since the last update()."
+                )
+            if stage is OptState.STEPPED:
+                raise RuntimeError("unscale_and_clip_() is being called after step().")
+        elif id(optimizer) in self._unscaled:
+            raise RuntimeError("unscale_and_clip_() has already been called on this optimizer since the last step().")
+
+    def _record(self, optimizer, found_per_device: dict, grad_scale: Tensor | None) -> None:
+        first = next(iter(found_per_device.values()))
+        found = (
+            first
+            if len(found_per_device) == 1
+            else torch.stack([f.to(first.device) for f in found_per_device.values()]).amax()
+        )
+        self._unscaled[id(optimizer)] = _Unscaled(found, grad_scale)
+        if self._enabled:
+            state = self._per_optimizer_states[id(optimizer)]
+            state["found_inf_per_device"] = found_per_device
+            state["stage"] = OptState.UNSCALED
+
+    # --- step, update ---------------------------------------------------------------------
+
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        """As torch's ``step``; after ``unscale_and_clip_``, applies what it folded."""
+        unscaled = self._unscaled.pop(id(optimizer), None)
+        if self._enabled:
+            if unscaled is not None and unscaled.grad_scale is not None:
+                # torch's step passes optimizer.grad_scale on in the UNSCALED stage, then deletes it.
+                optimizer.grad_scale = unscaled.grad_scale
+            return super().step(optimizer, *args, **kwargs)
+        if unscaled is None:
+            return optimizer.step(*args, **kwargs)
+        if unscaled.grad_scale is None:
+            # Clipped in place; skip on inf/NaN as torch's scaler does (a host read, as torch's).
+            return None if unscaled.found_inf.item() else optimizer.step(*args, **kwargs)
+        optimizer.grad_scale, optimizer.found_inf = unscaled.grad_scale, unscaled.found_inf
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        self._unscaled.clear()
+        super().update(new_scale)
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> Tensor:
+        """A 0-d float32 tensor, 1.0 if the gradients of ``optimizer`` held inf or NaN when they
+        were last unscaled (by ``unscale_``, ``unscale_and_clip_`` or ``step``), else 0.0.
+        Valid until ``update``; no host sync."""
+        if id(optimizer) in self._unscaled:
+            return self._unscaled[id(optimizer)].found_inf
+        per_device = (
+            self._per_optimizer_states.get(id(optimizer), {}).get("found_inf_per_device") if self._enabled else None
+        )
+        if not per_device:
+            raise RuntimeError(
+                "found_inf(): this optimizer's gradients have not been unscaled since the last update() "
+                "(call unscale_, unscale_and_clip_ or step first)"
+            )
+        first = next(iter(per_device.values()))
+        return torch.stack([f.to(first.device) for f in per_device.values()]).amax()
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_unscaled"] = {}
+        return state

@@ -1,0 +1,252 @@
+"""gradfuse.GradScaler against torch.amp.GradScaler, side by side on identical models.
+
+Every test runs both scalers over the same steps and compares weights, scale, growth tracker
+and skipped steps. Where the two differ by design the difference is one rounding: torch
+unscales (an exact power-of-two multiply) and then clips (one rounding), gradfuse folds
+``inv_scale * clip_coef`` into one multiply or into the fused optimizer's division by
+``scale / clip_coef``; both are within a few fp32 ulps per step, hence rtol 1e-5 over a
+dozen steps of AdamW (whose update is ~lr in size whatever the gradient's rounding).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+
+import pytest
+import torch
+
+import gradfuse
+
+RTOL = 1e-5
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "sgd_fused": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=False),
+    "adamw_fused": lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True),
+}
+
+
+def _model(device: str, seed: int = 0) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return model.to(device)
+
+
+class Pair:
+    """The same model, optimizer and batches under torch's scaler and under gradfuse's."""
+
+    def __init__(self, device: str, optimizer: str, **scaler_kwargs):
+        self.device = device
+        self.models = [_model(device), _model(device)]
+        self.opts = [OPTIMIZERS[optimizer](m.parameters()) for m in self.models]
+        self.scalers = [torch.amp.GradScaler(device, **scaler_kwargs), gradfuse.GradScaler(device, **scaler_kwargs)]
+
+    def backward(self, x: torch.Tensor, poison: float | None = None) -> None:
+        for model, opt, scaler in zip(self.models, self.opts, self.scalers, strict=True):
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            scaler.scale(loss).backward()
+            if poison is not None:  # an overflow in one gradient element
+                model[0].weight.grad[1, 2] = poison
+
+    def assert_same(self) -> None:
+        for a, b in zip(self.models[0].parameters(), self.models[1].parameters(), strict=True):
+            torch.testing.assert_close(b, a, rtol=RTOL, atol=1e-7)
+        t, g = self.scalers
+        assert g.get_scale() == t.get_scale()
+        assert g._get_growth_tracker() == t._get_growth_tracker()
+
+
+# inf and NaN injected at steps 3, 4 (two skips in a row) and 8; growth every 3 clean steps.
+POISON = {3: math.inf, 4: math.nan, 8: -math.inf}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "clip"])
+def test_growth_backoff_and_skips_match_torch(device, optimizer, clip):
+    pair = Pair(device, optimizer, init_scale=2.0**10, growth_interval=3)
+    gen = torch.Generator().manual_seed(1)
+    scales = []
+    for step in range(12):
+        pair.backward(torch.randn(16, 8, generator=gen).to(device), POISON.get(step))
+        before = [p.detach().clone() for p in pair.models[1].parameters()]
+        (t_opt, g_opt), (t_scaler, g_scaler) = pair.opts, pair.scalers
+        if clip:
+            t_scaler.unscale_(t_opt)
+            t_norm = torch.nn.utils.clip_grad_norm_(pair.models[0].parameters(), 0.3)
+            g_norm = g_scaler.unscale_and_clip_(g_opt, 0.3)
+            if step in POISON:
+                assert not torch.isfinite(g_norm)
+            else:
+                torch.testing.assert_close(g_norm, t_norm, rtol=RTOL, atol=0)
+        assert g_scaler.step(g_opt) == t_scaler.step(t_opt)
+        assert g_scaler.found_inf(g_opt).item() == float(step in POISON)
+        t_scaler.update()
+        g_scaler.update()
+        skipped = all(torch.equal(a, b) for a, b in zip(before, pair.models[1].parameters(), strict=True))
+        assert skipped == (step in POISON), step
+        pair.assert_same()
+        scales.append(g_scaler.get_scale())
+    # The schedule exercised both directions: two backoffs in a row, and growth.
+    assert scales[3] == scales[2] / 2 and scales[4] == scales[3] / 2 and max(scales) > 2.0**10
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_fused", "sgd_fused"])
+def test_fused_optimizer_gets_the_clip_folded_into_its_read(optimizer):
+    """unscale_and_clip_ only reads the gradients; step applies unscale and clip together."""
+    pair = Pair("cpu", optimizer)
+    pair.backward(torch.randn(16, 8))
+    grads = [p.grad.clone() for p in pair.models[1].parameters()]
+    norm = pair.scalers[1].unscale_and_clip_(pair.opts[1], 0.05)
+    assert all(torch.equal(p.grad, g) for p, g in zip(pair.models[1].parameters(), grads, strict=True))
+    assert not hasattr(pair.opts[1], "grad_scale")  # set only for the duration of step
+    pair.scalers[0].unscale_(pair.opts[0])
+    torch_norm = torch.nn.utils.clip_grad_norm_(pair.models[0].parameters(), 0.05)
+    torch.testing.assert_close(norm, torch_norm, rtol=RTOL, atol=0)
+    assert norm > 0.05  # the clip was active
+    for scaler, opt in zip(pair.scalers, pair.opts, strict=True):
+        scaler.step(opt)
+        scaler.update()
+    pair.assert_same()
+    assert not hasattr(pair.opts[1], "grad_scale") and not hasattr(pair.opts[1], "found_inf")
+
+
+def test_unscale_is_one_fused_pass_over_mixed_dtypes(monkeypatch):
+    """fp32 and bf16 gradients in one call; the same values and found_inf as torch's."""
+    grads = [torch.randn(100) * 2.0**12, torch.randn(7, 3).bfloat16() * 2.0**12]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    copies = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, q, g in zip(params, copies, grads, strict=True):
+        p.grad, q.grad = g.clone(), g.clone()
+    scalers = torch.amp.GradScaler("cpu", init_scale=2.0**12), gradfuse.GradScaler("cpu", init_scale=2.0**12)
+    opts = torch.optim.SGD(copies, lr=0.1), torch.optim.SGD(params, lr=0.1)
+    for scaler in scalers:
+        scaler.scale(torch.ones(()))
+    calls, real = [], torch.ops.gradfuse.unscale_and_check_
+    monkeypatch.setattr(torch.ops.gradfuse, "unscale_and_check_", lambda *args: calls.append(args[0]) or real(*args))
+    scalers[1].unscale_(opts[1])
+    scalers[0].unscale_(opts[0])
+    assert len(calls) == 1 and len(calls[0]) == 2
+    for p, q in zip(params, copies, strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    assert scalers[1].found_inf(opts[1]).item() == 0.0
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_without_loss_scaling_a_disabled_scaler_clips_through_the_optimizer(optimizer):
+    """bf16/fp32 training: GradScaler(enabled=False) gives the clip of torch's clip_grad_norm_."""
+    models = [_model("cpu"), _model("cpu")]
+    opts = [OPTIMIZERS[optimizer](m.parameters()) for m in models]
+    scaler = gradfuse.GradScaler("cpu", enabled=False)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        x = torch.randn(16, 8, generator=gen)
+        for model, opt in zip(models, opts, strict=True):
+            opt.zero_grad()
+            scaler.scale(model(x).pow(2).mean()).backward()
+        torch_norm = torch.nn.utils.clip_grad_norm_(models[0].parameters(), 0.1)
+        opts[0].step()
+        grads = [p.grad.clone() for p in models[1].parameters()]
+        norm = scaler.unscale_and_clip_(opts[1], 0.1)
+        torch.testing.assert_close(norm, torch_norm, rtol=RTOL, atol=0)
+        if "fused" in optimizer:  # read only
+            assert all(torch.equal(p.grad, g) for p, g in zip(models[1].parameters(), grads, strict=True))
+        scaler.step(opts[1])
+        scaler.update()
+        for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            torch.testing.assert_close(b, a, rtol=RTOL, atol=1e-7)
+    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_without_loss_scaling_a_nan_gradient_skips_the_step(optimizer):
+    model = _model("cpu")
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    scaler = gradfuse.GradScaler("cpu", enabled=False)
+    model(torch.randn(4, 8)).sum().backward()
+    model[2].bias.grad[0] = math.nan
+    before = copy.deepcopy(model.state_dict())
+    assert torch.isnan(scaler.unscale_and_clip_(opt, 1.0))
+    assert scaler.found_inf(opt).item() == 1.0
+    scaler.step(opt)
+    scaler.update()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_state_dicts_load_both_ways():
+    pair = Pair("cpu", "adamw", init_scale=2.0**8, growth_interval=2)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(5):  # grow, back off: a state that is not the default
+        pair.backward(torch.randn(4, 8, generator=gen), math.inf if step == 3 else None)
+        for scaler, opt in zip(pair.scalers, pair.opts, strict=True):
+            scaler.step(opt)
+            scaler.update()
+    torch_state, ours_state = (s.state_dict() for s in pair.scalers)
+    assert ours_state == torch_state and ours_state["_growth_tracker"] == 1
+    into_ours, into_torch = gradfuse.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    into_ours.load_state_dict(torch_state)
+    into_torch.load_state_dict(ours_state)
+    assert into_ours.state_dict() == into_torch.state_dict() == torch_state
+    # Both continue identically from the loaded state.
+    pair.scalers = [into_torch, into_ours]
+    for step in range(3):
+        pair.backward(torch.randn(4, 8, generator=gen), math.nan if step == 1 else None)
+        for scaler, opt in zip(pair.scalers, pair.opts, strict=True):
+            scaler.step(opt)
+            scaler.update()
+        pair.assert_same()
+    assert pickle.loads(pickle.dumps(into_ours)).state_dict() == into_ours.state_dict()
+
+
+def test_misuse_is_refused_like_torchs_unscale():
+    pair = Pair("cpu", "adamw_fused")
+    pair.backward(torch.randn(4, 8))
+    scaler, opt = pair.scalers[1], pair.opts[1]
+    grads = [p.grad.clone() for p in pair.models[1].parameters()]
+    with pytest.raises(ValueError, match="max_norm must be a non-negative number"):
+        scaler.unscale_and_clip_(opt, -1.0)
+    with pytest.raises(ValueError, match="norm_type must be a real number"):
+        scaler.unscale_and_clip_(opt, 1.0, math.nan)
+    assert all(torch.equal(p.grad, g) for p, g in zip(pair.models[1].parameters(), grads, strict=True))
+    scaler.unscale_and_clip_(opt, 1.0)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_and_clip_(opt, 1.0)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="after step"):
+        scaler.unscale_and_clip_(opt, 1.0)
+    disabled = gradfuse.GradScaler("cpu", enabled=False)
+    disabled.unscale_and_clip_(opt, 1.0)
+    with pytest.raises(RuntimeError, match="already been called"):
+        disabled.unscale_and_clip_(opt, 1.0)
+
+
+def test_fp16_gradients_are_refused_as_torch_refuses_them():
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    p.grad = torch.ones(3, dtype=torch.float16)
+    scaler, opt = gradfuse.GradScaler("cpu"), torch.optim.SGD([p], lr=0.1)
+    scaler.scale(torch.ones(()))
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        scaler.unscale_(opt)
+
+
+@pytest.mark.parametrize("norm_type", [1.0, math.inf])
+def test_other_norm_types(norm_type):
+    pair = Pair("cpu", "adamw_fused")
+    pair.backward(torch.randn(8, 8))
+    t_scaler, g_scaler = pair.scalers
+    t_scaler.unscale_(pair.opts[0])
+    expected = torch.nn.utils.clip_grad_norm_(pair.models[0].parameters(), 0.01, norm_type)
+    torch.testing.assert_close(g_scaler.unscale_and_clip_(pair.opts[1], 0.01, norm_type), expected, rtol=RTOL, atol=0)
+    for scaler, opt in zip(pair.scalers, pair.opts, strict=True):
+        scaler.step(opt)
+        scaler.update()
+    pair.assert_same()
