@@ -25,11 +25,14 @@ from .ops import (
     unscale_check_norm,
 )
 from .scaler import GradScaler
+from .train import TrainConfig, Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GradScaler",
+    "TrainConfig",
+    "Trainer",
     "__version__",
     "accumulate_",
     "clip_grad_norm",

@@ -1,0 +1,148 @@
+"""Checkpoint files: written atomically, found by step, checked when read; and RNG states.
+
+A checkpoint is one file, ``step-00001000.pt`` in the checkpoint folder, holding a dict made
+by the trainer (model, optimizer, scheduler, scaler, counters, data position, RNG states)
+plus a format tag. It is written to a temporary file in the same folder, flushed and fsynced,
+then renamed over the final name (atomic on POSIX and Windows), and the folder is fsynced: a
+process killed at any moment leaves either the complete new file or none, and the previous
+checkpoints untouched. Only the ``keep_last`` newest are kept.
+
+Files are read with ``torch.load(weights_only=True)`` (no code runs from a checkpoint), so
+everything in one is a tensor, a number, a string or a container of those.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+
+import torch
+
+FORMAT = "gradfuse.Trainer checkpoint"
+VERSION = 1
+_NAME = re.compile(r"^step-(\d+)\.pt$")
+_TEMP_PREFIX = ".saving-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be used: truncated, corrupt, or not written by the Trainer."""
+
+
+def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
+    return Path(directory) / f"step-{step:08d}.pt"
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """The checkpoint files in ``directory``, oldest step first (temporary files are not)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, keep_last: int) -> Path:
+    """Write ``state`` as the checkpoint of ``step`` atomically; delete all but the ``keep_last``
+    newest checkpoints (and the temporary file of a save that was killed). Returns the path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob(f"{_TEMP_PREFIX}*"):
+        stale.unlink(missing_ok=True)
+    final = checkpoint_path(directory, step)
+    temp = directory / f"{_TEMP_PREFIX}{final.name}"
+    try:
+        with open(temp, "wb") as f:
+            torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, final)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(directory)  # make the rename itself durable
+    for old in list_checkpoints(directory)[:-keep_last]:
+        old.unlink()
+    return final
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # Windows cannot open a folder; its rename is durable without it
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """Read a checkpoint written by ``save_checkpoint``; ``CheckpointError`` with the reason
+    when the file is truncated, corrupt or something else (FileNotFoundError when missing)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint file at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(
+            f"{path} cannot be read as a checkpoint, it may be truncated or corrupt ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}).{_others(path)}"
+        ) from err
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} was not written by gradfuse.Trainer (no {FORMAT!r} tag).{_others(path)}")
+    if state.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format version {state.get('version')!r}; this gradfuse reads {VERSION}"
+        )
+    return state
+
+
+def _others(path: Path) -> str:
+    others = [p.name for p in list_checkpoints(path.parent) if p != path]
+    return f" Other checkpoints in {path.parent}: {', '.join(others)}." if others else ""
+
+
+# --- random number generators -------------------------------------------------------------
+
+
+def rng_state() -> dict:
+    """The states of torch's CPU and CUDA generators, Python's ``random`` and numpy's, as
+    tensors and plain values (so that ``weights_only`` loading reads them)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    numpy = np.random.get_state(legacy=False)
+    state["numpy"] = {
+        "bit_generator": numpy["bit_generator"],
+        "key": torch.from_numpy(numpy["state"]["key"].astype("int64")),
+        "pos": int(numpy["state"]["pos"]),
+        "has_gauss": int(numpy["has_gauss"]),
+        "gauss": float(numpy["gauss"]),
+    }
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        numpy = state["numpy"]
+        key = numpy["key"].numpy().astype("uint32")
+        np.random.set_state((numpy["bit_generator"], key, numpy["pos"], numpy["has_gauss"], numpy["gauss"]))

@@ -1,0 +1,115 @@
+"""``TrainConfig``: every knob of the trainer, checked when it is made.
+
+A frozen dataclass: a config that exists is a valid one, and ``dataclasses.replace(config,
+max_steps=...)`` checks again. An impossible value raises at construction with a message that
+names the field (``TypeError`` for a wrong type, ``ValueError`` for a value out of range).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_steps: int = 1000  # optimizer steps to train for
+    grad_accum_steps: int = 1  # micro-batches per optimizer step; each loss is divided by this
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; fp16 adds dynamic loss scaling)
+    max_grad_norm: float | None = 1.0  # clip the total gradient norm to this; None: no clipping
+    norm_type: float = 2.0  # order of that norm (any real, inf included)
+    lr: float | None = None  # peak learning rate of every param group; None: the optimizer's own
+    lr_schedule: str = "constant"  # after warmup: constant | linear | cosine, down to min_lr_ratio * lr
+    warmup_steps: int = 0  # linear warmup from lr / warmup_steps to lr
+    min_lr_ratio: float = 0.0  # the final learning rate of linear and cosine, as a fraction of lr
+    activation_checkpointing: Sequence[str] = ()  # module class names to recompute in backward
+    checkpoint_dir: str | os.PathLike | None = None  # where checkpoints go; None: no checkpoints
+    save_every: int | None = None  # steps between checkpoints (and one at the end); None: at the end only
+    keep_last: int = 2  # newest checkpoints kept; older ones are deleted
+    log_every: int = 10  # steps between metrics rows (overflow and non-finite-loss steps always log)
+    metrics_path: str | os.PathLike | None = None  # JSON lines file of the metrics rows; None: not written
+    progress: bool = True  # a progress bar (tqdm)
+    seed: int = 0  # seeds torch, random and numpy when training starts (a resume restores their states)
+    device: str | None = None  # where to train; None: where the model already is
+    eval_every: int | None = None  # steps between evaluations on eval_data; None: at the end only
+    max_nan_losses: int = 5  # non-finite losses in a row before training stops
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "grad_accum_steps", "keep_last", "log_every", "max_nan_losses"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("save_every", "eval_every"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        _check_int("warmup_steps", self.warmup_steps, minimum=0)
+        _check_int("seed", self.seed, minimum=None)
+        if self.warmup_steps > self.max_steps:
+            _fail("warmup_steps", f"is longer than training: {self.warmup_steps} > max_steps={self.max_steps}")
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if self.max_grad_norm is not None:
+            _check_real("max_grad_norm", self.max_grad_norm)
+            if not 0 < self.max_grad_norm < math.inf:
+                _fail("max_grad_norm", f"must be a positive finite number or None, got {self.max_grad_norm!r}")
+        _check_real("norm_type", self.norm_type)
+        if math.isnan(self.norm_type):
+            _fail("norm_type", "must be a real number, got nan")
+        if self.lr is not None:
+            _check_real("lr", self.lr)
+            if not 0 <= self.lr < math.inf:
+                _fail("lr", f"must be a non-negative finite number or None, got {self.lr!r}")
+        _check_real("min_lr_ratio", self.min_lr_ratio)
+        if not 0 <= self.min_lr_ratio <= 1:
+            _fail("min_lr_ratio", f"must be between 0 and 1, got {self.min_lr_ratio!r}")
+        names = self.activation_checkpointing
+        if isinstance(names, str) or not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
+            _fail("activation_checkpointing", f"must be a list of module class names, got {names!r}", TypeError)
+        for name in ("checkpoint_dir", "metrics_path"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                _fail(name, f"must be a path or None, got {type(value).__name__}", TypeError)
+        if self.save_every is not None and self.checkpoint_dir is None:
+            _fail("save_every", "is set but checkpoint_dir is None: where should the checkpoints go?")
+        if not isinstance(self.progress, bool):
+            _fail("progress", f"must be True or False, got {self.progress!r}", TypeError)
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as err:
+                _fail("device", f"is not a torch device: {self.device!r} ({err})")
+
+    def to_dict(self) -> dict:
+        """The fields as plain values (paths as strings), for checkpoints and logs."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = os.fspath(value) if isinstance(value, os.PathLike) else value
+        out["activation_checkpointing"] = list(self.activation_checkpointing)
+        return out
+
+
+def _fail(name: str, problem: str, kind: type[Exception] = ValueError):
+    raise kind(f"TrainConfig.{name} {problem}")
+
+
+def _check_int(name: str, value, minimum: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, f"must be an integer, got {value!r}", TypeError)
+    if minimum is not None and value < minimum:
+        _fail(name, f"must be at least {minimum}, got {value}")
+
+
+def _check_real(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(name, f"must be a number, got {value!r}", TypeError)
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(name, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
