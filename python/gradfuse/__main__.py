@@ -1,4 +1,5 @@
-"""The ``gradfuse`` command line: ``python -m gradfuse bench ...`` and ``--version``."""
+"""The ``gradfuse`` command line: ``python -m gradfuse demo``, ``python -m gradfuse bench ...``
+and ``--version``."""
 
 from __future__ import annotations
 
@@ -15,8 +16,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"gradfuse {gradfuse.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from . import demo
     from .bench import add_arguments
 
+    demo.add_arguments(
+        commands.add_parser(
+            "demo",
+            help="train a small character-level transformer end to end (about a minute on 2 CPU cores)",
+            description="Train a small character-level transformer on the Python standard library's own source "
+            "with gradfuse.Trainer: progress bar, metrics (JSON lines), a checkpoint and a chart of the loss, "
+            "gradient norm and learning rate under --out.",
+        )
+    )
     bench = commands.add_parser(
         "bench",
         help="compare gradfuse with torch on this machine",
@@ -33,8 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_usage(sys.stderr)
-        print("gradfuse: error: a command is required (available: bench)", file=sys.stderr)
+        print("gradfuse: error: a command is required (available: demo, bench)", file=sys.stderr)
         return 2
+    if args.command == "demo":
+        from .demo import run
+
+        return run(args)
     from .bench import BenchError, bench
 
     command = ["gradfuse", *(sys.argv[1:] if argv is None else argv)]

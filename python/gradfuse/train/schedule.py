@@ -7,15 +7,15 @@ carry.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
 from .config import TrainConfig
 
 
-def lr_factor(step: int, max_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float) -> float:
+def lr_factor(step: int, *, max_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float) -> float:
     """The learning rate of optimizer step ``step`` (0-based), as a fraction of the peak.
 
     Warmup climbs linearly to 1 over ``warmup_steps`` steps (the first step already gets
@@ -36,19 +36,6 @@ def lr_factor(step: int, max_steps: int, warmup_steps: int, schedule: str, min_l
     return min_lr_ratio + (1.0 - min_lr_ratio) * decay
 
 
-@dataclass
-class Schedule:
-    """``lr_factor`` with its settings bound: a callable ``LambdaLR`` can save and reload."""
-
-    max_steps: int
-    warmup_steps: int
-    schedule: str
-    min_lr_ratio: float
-
-    def __call__(self, step: int) -> float:
-        return lr_factor(step, self.max_steps, self.warmup_steps, self.schedule, self.min_lr_ratio)
-
-
 def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` over ``optimizer`` following ``config``; ``config.lr``, when set, becomes
     every param group's peak learning rate. Call its ``step()`` after each optimizer step."""
@@ -56,5 +43,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> to
         for group in optimizer.param_groups:
             group["lr"] = config.lr
             group.pop("initial_lr", None)
-    schedule = Schedule(config.max_steps, config.warmup_steps, config.lr_schedule, config.min_lr_ratio)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    # A partial, not a callable object: LambdaLR saves an object's attributes in its state dict
+    # and a resumed run would get the old run's schedule back; the config is what says it.
+    factor = functools.partial(
+        lr_factor,
+        max_steps=config.max_steps,
+        warmup_steps=config.warmup_steps,
+        schedule=config.lr_schedule,
+        min_lr_ratio=config.min_lr_ratio,
+    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -206,7 +206,7 @@ class Trainer:
                 skipped = not math.isfinite(row["loss"]) or "nonfinite_grads" in row
                 if skipped:
                     metrics.message(self._skip_message(row))
-                if done or skipped or "eval_loss" in row or self.step % cfg.log_every == 0:
+                if done or skipped or "eval_loss" in row or self.step % cfg.log_every == 0 or self.step == 1:
                     row.update(throughput.rates(), loss_scale=self.scaler.get_scale())
                     row["peak_mem_mb"] = peak_memory_mb(self.device)
                     metrics.write(row)

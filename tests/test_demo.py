@@ -1,0 +1,68 @@
+"""``python -m gradfuse demo``, shortened: it trains, writes its files, and resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gradfuse.__main__ import main
+from gradfuse.demo import GPT, GPTConfig, Windows, stdlib_text
+
+
+def test_stdlib_text_and_windows():
+    text = stdlib_text(200_000)
+    assert len(text) == 200_000 and b"def " in bytes(text[:50_000].tolist())
+    windows = Windows(text, 128)
+    item = windows[3]
+    assert len(windows) == (200_000 - 1) // 128
+    assert item["input_ids"][1:].tolist() == item["labels"][:-1].tolist()
+    assert item["input_ids"][0] == text[3 * 128]
+
+
+def test_model_returns_a_loss_and_generates():
+    model = GPT(GPTConfig(ctx=16, width=32, layers=1, heads=2))
+    text = Windows(stdlib_text(200_000), 16)[0]
+    out = model(text["input_ids"][None], text["labels"][None])
+    assert out.logits.shape == (1, 16, 256) and 5.0 < out.loss.item() < 6.0  # ~ln 256 untrained
+    assert len(model.generate(b"def ", 20)) == 20
+
+
+@pytest.mark.slow
+def test_demo_command_trains_and_writes_metrics_checkpoint_and_chart(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["demo", "--steps", "8", "--out", str(out), "--batch-size", "8"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 1 and rows[-1]["step"] == 8
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5 and rows[-1]["eval_loss"] < 5.0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000004.pt", "step-00000008.pt"]
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    err = capsys.readouterr().err
+    assert "loss" in err and "wrote" in err and "curves.png" in err
+
+    # Longer, from the checkpoint: the rows of the first run stay, the new ones follow.
+    assert main(["demo", "--steps", "10", "--out", str(out), "--batch-size", "8", "--resume"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 8, 10] and "eval_loss" in rows[-1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000008.pt", "step-00000010.pt"]
+
+
+def test_demo_rejects_a_bad_resume_and_bad_steps(tmp_path, capsys):
+    assert main(["demo", "--steps", "0", "--out", str(tmp_path)]) == 2
+    assert "--steps must be at least 1" in capsys.readouterr().err
+    bad = tmp_path / "bad.pt"
+    bad.write_text("nope")
+    assert main(["demo", "--steps", "2", "--out", str(tmp_path), "--resume", str(bad)]) == 2
+    assert "cannot be read as a checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_help_from_the_command_line():
+    env = {**os.environ, "PYTHONWARNINGS": "error"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradfuse", "demo", "--help"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0 and "--precision" in proc.stdout and "--resume" in proc.stdout
