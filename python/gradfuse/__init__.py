@@ -8,6 +8,7 @@ torch custom ops.
 """
 
 from . import ops
+from .buckets import GradBuckets
 from .clip import (
     clip_grad_norm,
     clip_grad_norm_,
@@ -28,6 +29,7 @@ from .ops import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradBuckets",
     "__version__",
     "accumulate_",
     "clip_grad_norm",
