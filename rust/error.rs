@@ -21,6 +21,8 @@ pub enum Error {
     Overlap { first: (String, usize), second: (String, usize) },
     /// A norm order that is NaN.
     BadNormType { p: f64 },
+    /// Arguments the bucket planner cannot lay out (see `bucket::plan`).
+    BucketPlan { reason: String },
 }
 
 /// Formats a norm order as C++'s ostream does (torch's messages use that): 2, -1, 0.5, inf.
@@ -61,6 +63,7 @@ impl Error {
                 first.0, first.1, second.0, second.1
             ),
             Error::BadNormType { p } => format!("norm_type must be a real number, got {p}"),
+            Error::BucketPlan { reason } => format!("bucket plan: {reason}"),
         }
     }
 }

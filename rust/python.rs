@@ -7,6 +7,7 @@
 //! the contract this file cannot check; alignment, null addresses and disjointness of
 //! written memory it checks itself before any view is made.
 
+use crate::bucket;
 use crate::dtype::DType;
 use crate::elementwise;
 use crate::error::Error;
@@ -285,6 +286,34 @@ fn find_overlap(starts: Vec<usize>, ends: Vec<usize>, written: Vec<bool>) -> PyR
     Ok(find_conflict(&ranges))
 }
 
+/// The bucket layout of parameters with these element counts and dtype codes, placed in
+/// `order` (see `bucket::plan`). Returns `(slots, buckets)`: `slots[i] = (bucket, offset)` of
+/// parameter `i` (offset in elements) and `buckets[b] = (dtype code, numel, parameters)`.
+#[pyfunction]
+fn plan_buckets(
+    numels: Vec<usize>,
+    codes: Vec<u8>,
+    order: Vec<usize>,
+    cap_bytes: usize,
+    first_cap_bytes: usize,
+    align_bytes: usize,
+    world_size: usize,
+) -> PyResult<BucketLayout> {
+    let dtypes = codes
+        .iter()
+        .enumerate()
+        .map(|(index, &code)| DType::from_code(code).ok_or(Error::UnknownDType { index, code }))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| to_py(e, "params", ""))?;
+    let opts = bucket::Options { cap_bytes, first_cap_bytes, align_bytes, world_size };
+    let plan = bucket::plan(&numels, &dtypes, &order, &opts).map_err(|e| to_py(e, "params", ""))?;
+    let slots = plan.slots.iter().map(|s| (s.bucket, s.offset)).collect();
+    let buckets = plan.buckets.into_iter().map(|b| (b.dtype as u8, b.numel, b.params)).collect();
+    Ok((slots, buckets))
+}
+
+type BucketLayout = (Vec<(usize, usize)>, Vec<(u8, usize, Vec<usize>)>);
+
 /// Number of threads the CPU kernels run on.
 #[pyfunction]
 fn num_threads() -> usize {
@@ -320,6 +349,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(clamp_, m)?)?;
     m.add_function(wrap_pyfunction!(accumulate_, m)?)?;
     m.add_function(wrap_pyfunction!(find_overlap, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(use_openmp, m)?)?;
     m.add_function(wrap_pyfunction!(on_openmp, m)?)?;

@@ -28,6 +28,9 @@ CPU_WORKLOADS = {
     "amp_gpt2_fp32_active": (148, 3),
     "amp_gpt2_fp32_inactive": (148, 2),  # unscaling always writes: one read/write pass
     "accumulate_gpt2_bf16": (148, None),
+    "buckets_2000x4096_fp32_active": (2000, 3),
+    "buckets_2000x4096_fp32_inactive": (2000, 1),
+    "ddp_transformer_fp32": (29, 1),  # the quick model's parameters; bytes: the gradients reduced
 }
 ITEMSIZE = {"fp32": 4, "bf16": 2}
 REQUIRED = {
@@ -110,6 +113,8 @@ def test_every_workload_has_torch_and_gradfuse_and_consistent_speedups(quick_run
         by_workload.setdefault(record["workload"], {})[record["impl"]] = record
     assert set(by_workload) == {"copy", *CPU_WORKLOADS}
     assert set(by_workload["accumulate_gpt2_bf16"]) == {"torch", "gradfuse", "torch_foreach"}
+    assert set(by_workload["buckets_2000x4096_fp32_active"]) == {"torch", "gradfuse", "gradfuse_dropin"}
+    assert set(by_workload["ddp_transformer_fp32"]) == {"torch", "gradfuse", "torch_bucket_view", "comm_only"}
     for name, (n_tensors, passes) in CPU_WORKLOADS.items():
         impls = by_workload[name]
         assert {"torch", "gradfuse"} <= set(impls), name
@@ -193,6 +198,14 @@ def test_amp_that_sets_found_inf_on_finite_gradients_is_caught(monkeypatch):
     monkeypatch.setattr(gradfuse, "unscale_and_clip_", flagging)
     with pytest.raises(BenchError, match="found_inf"):
         _run("amp_gpt2_fp32_active")
+
+
+def test_a_bucket_clip_that_does_not_rescale_is_caught(monkeypatch):
+    from gradfuse.bench import cases
+
+    monkeypatch.setattr(cases, "_bucket_clip", lambda params, max_norm: params.buckets.get_total_norm())
+    with pytest.raises(BenchError, match="gradfuse gradients after one call"):
+        _run("buckets_2000x4096_fp32_active")
 
 
 def test_wrong_accumulation_is_caught(monkeypatch):

@@ -520,3 +520,57 @@ def test_float32_nan_payload_helper_is_sane():
     word = bits(signaling_nans()[0])[2].item() & 0xFFFFFFFF
     value = struct.unpack("<f", struct.pack("<I", word))[0]
     assert math.isnan(value) and not word & 0x00400000
+
+
+# --- GradBuckets on the GPU -----------------------------------------------------------------
+
+
+def _bucketed_mlp(dtype=torch.float32, grad_dtype=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(256, 256) for _ in range(6)], torch.nn.LayerNorm(256), torch.nn.Linear(256, 10)
+    ).to(DEVICE, dtype)
+    reference = torch.nn.Sequential(
+        *[torch.nn.Linear(256, 256) for _ in range(6)], torch.nn.LayerNorm(256), torch.nn.Linear(256, 10)
+    ).to(DEVICE, dtype)
+    reference.load_state_dict(model.state_dict())
+    buckets = gradfuse.GradBuckets(model.parameters(), bucket_cap_mb=0.5, grad_dtype=grad_dtype)
+    x = torch.randn(32, 256, device=DEVICE, dtype=dtype)
+    model(x).float().square().mean().backward()
+    reference(x).float().square().mean().backward()
+    return model, reference, buckets
+
+
+def test_buckets_grads_and_clip_match_torch():
+    model, reference, buckets = _bucketed_mlp()
+    assert len(buckets.buffers) > 1
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    total = buckets.clip_grad_norm_(1e-3)
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3)
+    assert close(total.item(), want.item(), 2e-6)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-6, atol=0)
+
+
+def test_buckets_clip_is_two_launches_and_sync_free():
+    model, _, buckets = _bucketed_mlp()
+    buckets.clip_grad_norm_(1e-3)  # compile
+    torch.cuda.synchronize()
+    names = _kernel_names(lambda: buckets.clip_grad_norm_(1e-3))
+    assert len(names) == 2, names
+    names = _kernel_names(lambda: gradfuse.clip_grad_norm_(model.parameters(), 1e-3))  # the drop-in finds them
+    assert len(names) == 2, names
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        buckets.clip_grad_norm_(1e-3)
+        buckets.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_buckets_main_grad_bf16_on_gpu():
+    model, reference, _buckets = _bucketed_mlp(torch.bfloat16, grad_dtype=torch.float32)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.grad is None and p.main_grad.dtype == torch.float32
+        assert torch.equal(p.main_grad, q.grad.float())

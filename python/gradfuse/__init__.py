@@ -8,6 +8,7 @@ torch custom ops.
 """
 
 from . import ops
+from .buckets import GradBuckets
 from .clip import (
     clip_grad_norm,
     clip_grad_norm_,
@@ -30,6 +31,7 @@ from .train import TrainConfig, Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradBuckets",
     "GradScaler",
     "TrainConfig",
     "Trainer",

@@ -20,6 +20,8 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 
 from . import _plan as P
+from . import distributed as D
+from .buckets import owner_of
 from .ops import check_max_norm
 
 Tensor = torch.Tensor
@@ -101,25 +103,103 @@ def _total_norm(groups: dict[torch.device, list[Tensor]], norm_type: float, erro
     return total
 
 
+def _is_dtensor(tensors: list[Tensor]) -> bool:
+    return type(tensors[0]) not in _PLAIN and D.is_dtensor(tensors[0])
+
+
+def _dtensor_total(tensors: list[Tensor], norm_type: float) -> Tensor | None:
+    """The total norm of DTensor gradients (FSDP2, tensor parallel) as torch gives it (a
+    replicated DTensor), from their local shards through the fused kernels and one all-reduce
+    per set of sharded mesh dimensions; None when torch must answer."""
+    spec = D.dtensor_locals(tensors)
+    if spec is None:
+        return None
+    mesh, by_dims = spec
+    totals = []
+    for dims, shards in by_dims.items():
+        groups = [mesh.get_group(d) for d in dims]
+        if norm_type == 0:
+            # Order 0 counts a tensor once however it is sharded: its non-zero elements, summed.
+            if _fused_groups(shards) is None:
+                return None
+            counts = torch.ops.gradfuse.multi_tensor_norm(shards, 0.0, True)[1]
+            totals.append(D.count_nonzero_across(counts, groups))
+            continue
+        local = _local_norm(shards, norm_type, torch.device(mesh.device_type))
+        if local is None:
+            return None
+        totals.append(D.combine_norm(local, norm_type, groups))
+    return D.as_replicated(_combine_totals(totals, norm_type), mesh)
+
+
+def _local_norm(shards: list[Tensor], norm_type: float, device: torch.device) -> Tensor | None:
+    """The norm of this rank's ``shards``, to be combined with the other ranks'. An empty shard
+    adds nothing (a rank may hold none of a small tensor), so empty ones are left out; with none
+    left the result is the combine's identity. None when torch must answer."""
+    nonempty = [t for t in shards if t.numel()]
+    if not nonempty:
+        return D.norm_of_nothing(norm_type, device)
+    groups = _fused_groups(nonempty)
+    if groups is None:
+        return None
+    try:
+        return _total_norm(groups, norm_type, False)
+    except P.UnsupportedTensorError:
+        return None
+
+
 def get_total_norm(
     tensors: _TensorOrTensors,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    process_group=None,
 ) -> Tensor:
-    """As ``torch.nn.utils.get_total_norm``, in one fused pass per device (fp32-accurate)."""
+    """As ``torch.nn.utils.get_total_norm``, in one fused pass per device (fp32-accurate).
+
+    ``process_group``: ``tensors`` are this rank's shard of the gradients (ZeRO, sharded
+    optimizers); the result is the norm over every rank's shard (one all-reduce on the device),
+    identical on every rank. Every rank must call it, with or without tensors. Order 0 then
+    counts each rank's non-zero tensors. DTensor gradients are reduced over their own mesh.
+    """
     tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
     norm_type = P.check_norm_type("gradfuse.get_total_norm", norm_type)
+    if process_group is not None:
+        return _total_across(tensors, norm_type, error_if_nonfinite, foreach, process_group)
     if not tensors:
         return torch.tensor(0.0)
-    groups = _fused_groups(tensors)
-    if groups is not None:
-        try:
-            with torch.no_grad():
-                return _total_norm(groups, norm_type, error_if_nonfinite)
-        except P.UnsupportedTensorError:
-            pass
-    return _TORCH["get_total_norm"](tensors, norm_type, error_if_nonfinite, foreach)
+    owner = owner_of(tensors) if norm_type > 0 else None
+    if owner is not None:
+        return owner.get_total_norm(norm_type, error_if_nonfinite)
+    with torch.no_grad():
+        total = _dtensor_total(tensors, norm_type) if _is_dtensor(tensors) else None
+        if total is None:
+            groups = _fused_groups(tensors)
+            if groups is not None:
+                try:
+                    return _total_norm(groups, norm_type, error_if_nonfinite)
+                except P.UnsupportedTensorError:
+                    pass
+    if total is None:
+        return _TORCH["get_total_norm"](tensors, norm_type, error_if_nonfinite, foreach)
+    if error_if_nonfinite and not torch.isfinite(total.to_local()):
+        raise P.nonfinite_total_error(norm_type)
+    return total
+
+
+def _total_across(tensors: list[Tensor], norm_type: float, error_if_nonfinite: bool, foreach, group) -> Tensor:
+    nonempty = [t for t in tensors if t.numel()]
+    if nonempty:
+        local = get_total_norm(nonempty if len(nonempty) < len(tensors) else tensors, norm_type, False, foreach)
+        if D.is_dtensor(local):
+            local = local.to_local()
+    else:
+        local = D.norm_of_nothing(norm_type, D.collective_device(group))
+    total = D.combine_norm(local, norm_type, [group])
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise P.nonfinite_total_error(norm_type)
+    return total
 
 
 def clip_grads_with_norm_(
@@ -134,21 +214,34 @@ def clip_grads_with_norm_(
     exactly 1 no gradient memory is touched.
     """
     parameters = _parameters(parameters, warn_empty_generator=False)
-    grads = _grads(parameters)
     max_norm = check_max_norm("gradfuse.clip_grads_with_norm_", max_norm)
+    _scale_grads(parameters, _grads(parameters), max_norm, total_norm, foreach)
+
+
+def _scale_grads(parameters: list[Tensor], grads: list[Tensor], max_norm: float, total: Tensor, foreach) -> None:
+    """The scale pass of clipping, on whatever holds the gradients: a GradBuckets' buffers,
+    DTensors' local shards, the gradients themselves (per device), or torch."""
     if not grads:
         return
-    groups = _fused_groups(grads)
+    owner = owner_of(grads)
+    if owner is not None:
+        targets = owner.buffers
+    elif _is_dtensor(grads) and (spec := D.dtensor_locals(grads)) is not None:
+        targets = [t for shards in spec[1].values() for t in shards]
+        total = total.to_local() if D.is_dtensor(total) else total
+    else:
+        targets = grads
+    groups = _fused_groups(targets) if targets else {}
     if groups is not None:
         try:
             with torch.no_grad():
                 _check_all(groups)
                 for device, group in groups.items():
-                    torch.ops.gradfuse.clip_grads_with_norm_(group, max_norm, total_norm.to(device, non_blocking=True))
+                    torch.ops.gradfuse.clip_grads_with_norm_(group, max_norm, total.to(device, non_blocking=True))
             return
         except P.UnsupportedTensorError:
             pass
-    _TORCH["clip_grads_with_norm_"](parameters, max_norm, total_norm, foreach)
+    _TORCH["clip_grads_with_norm_"](parameters, max_norm, total, foreach)
 
 
 def clip_grad_norm_(
@@ -157,32 +250,40 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    process_group=None,
 ) -> Tensor:
     """Drop-in for ``torch.nn.utils.clip_grad_norm_``: two passes over the gradients (a read
     for the norm, a read-write for the scale, skipped when no clipping is needed), one or two
     kernel launches per device whatever the number of tensors, no host sync. Returns the total
     norm of the gradients (viewed as one vector), float32 for fp32/bf16/fp16 gradients.
+
+    When the gradients are exactly the views of a live :class:`gradfuse.GradBuckets`, both
+    passes run over its few flat buffers. ``process_group``: the gradients are this rank's
+    shard and the norm is over every rank's (see :func:`get_total_norm`).
     """
     parameters = _parameters(parameters, warn_empty_generator=True)
     grads = _grads(parameters)
     max_norm = check_max_norm("gradfuse.clip_grad_norm_", max_norm)
     norm_type = P.check_norm_type("gradfuse.clip_grad_norm_", norm_type)
-    if not grads:
+    if process_group is None and not grads:
         return torch.tensor(0.0)
-    groups = _fused_groups(grads)
-    if groups is not None:
+    owner = owner_of(grads) if norm_type > 0 and process_group is None else None
+    if owner is not None:
+        return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+    groups = None if process_group is not None or _is_dtensor(grads) else _fused_groups(grads)
+    if groups is not None and len(groups) == 1:
         try:
             with torch.no_grad():
-                if len(groups) == 1:
-                    return torch.ops.gradfuse.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
-                _check_all(groups)
-                total = _total_norm(groups, norm_type, error_if_nonfinite)
-                for device, group in groups.items():
-                    torch.ops.gradfuse.clip_grads_with_norm_(group, max_norm, total.to(device, non_blocking=True))
-                return total
+                return torch.ops.gradfuse.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
         except P.UnsupportedTensorError:
             pass
-    return _TORCH["clip_grad_norm_"](parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    elif groups is None and process_group is None and not _is_dtensor(grads):
+        return _TORCH["clip_grad_norm_"](parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    # Several devices, DTensors, shards across a process group: the total, then the scale pass.
+    total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach, process_group=process_group)
+    _scale_grads(parameters, grads, max_norm, total, foreach)
+    return total
 
 
 def clip_grad_norm(

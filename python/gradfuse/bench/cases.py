@@ -290,6 +290,34 @@ class ClipFamily(Family):
             )
 
 
+class BucketParams(list):
+    """Parameters whose gradients are the views of one ``GradBuckets`` (kept as ``buckets``)."""
+
+    buckets: gradfuse.GradBuckets
+
+
+def _bucket_clip(params: BucketParams, max_norm: float):
+    return params.buckets.clip_grad_norm_(max_norm)
+
+
+class BucketClipFamily(ClipFamily):
+    """``clip_grad_norm_`` of gradients laid out in a ``GradBuckets`` (each ``.grad`` a view into
+    a flat bucket): torch's clip of the parameters, against ``GradBuckets.clip_grad_norm_`` and
+    the drop-in, which finds the buckets behind the views."""
+
+    def impls(self):
+        return {
+            "torch": torch.nn.utils.clip_grad_norm_,
+            "gradfuse": _bucket_clip,
+            "gradfuse_dropin": gradfuse.clip_grad_norm_,
+        }
+
+    def new_set(self):
+        params = BucketParams(super().new_set())
+        params.buckets = gradfuse.GradBuckets(params)  # copies the gradients into the buckets
+        return params
+
+
 class AmpFamily(ClipFamily):
     """Unscale, check, measure and clip: torch's ``_amp_foreach_non_finite_check_and_unscale_``
     then ``clip_grad_norm_``, against ``gradfuse.unscale_and_clip_``. Gradients are stored
@@ -370,7 +398,7 @@ class AccumulateFamily(Family):
                 assert_lists_close(f"{name} sums after one call", dst, ref, 1.3e-6)
 
 
-FAMILY_CLASSES = {"clip": ClipFamily, "amp": AmpFamily, "accumulate": AccumulateFamily}
+FAMILY_CLASSES = {"clip": ClipFamily, "buckets": BucketClipFamily, "amp": AmpFamily, "accumulate": AccumulateFamily}
 
 
 def make_family(workload: Workload, device: torch.device, quick: bool) -> Family:

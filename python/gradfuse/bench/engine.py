@@ -86,6 +86,10 @@ def _log(message: str) -> None:
 
 
 def run_workload(workload: Workload, device: Device, reps: int | None) -> WorkloadResult:
+    if workload.family == "ddp":  # two processes, each timing its own steps
+        from .data_parallel import run_ddp
+
+        return run_ddp(workload, device, reps)
     family = make_family(workload, device.torch_device, device.quick)
     n_sets = device.buffer_sets(family.set_bytes)
     runners = {name: Runner(family, name, fn, n_sets) for name, fn in family.impls().items()}

@@ -19,7 +19,7 @@ import torch
 
 Shape = tuple[int, ...]
 
-FAMILIES = ("clip", "amp", "accumulate")
+FAMILIES = ("clip", "buckets", "amp", "accumulate", "ddp")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 #: Tensor counts of the GPU sweep (the chart of speedup against tensor count); the total
@@ -62,6 +62,13 @@ def tiny_shapes(n: int = 10_000) -> list[Shape]:
     return [(64 + (i * 37) % 193,) for i in range(n)]
 
 
+def transformer_shapes(quick: bool) -> list[Shape]:
+    """The parameters of the data-parallel benchmark's model (``data_parallel.make_model``)."""
+    from .data_parallel import make_model
+
+    return [tuple(p.shape) for p in make_model(quick).parameters()]
+
+
 def uniform_shapes(n: int, numel: int) -> list[Shape]:
     return [(numel,)] * n
 
@@ -79,6 +86,7 @@ SHAPE_SETS = {
     "gpt2": (gpt2_shapes, lambda: gpt2_shapes(vocab=1024, ctx=128, d=64)),
     "llama1b": (llama_shapes, lambda: llama_shapes(vocab=1024, hidden=128, inter=352, kv=32)),
     "tiny10000": (tiny_shapes, tiny_shapes),
+    "transformer": (lambda: transformer_shapes(False), lambda: transformer_shapes(True)),
     **{f"sweep{n}": _sweep(n) for n in SWEEP_COUNTS},
 }
 
@@ -120,6 +128,9 @@ WORKLOADS: list[Workload] = [
     *_both("clip", "gpt2", BF16),
     *_both("amp", "gpt2", F32),
     Workload("accumulate", "gpt2", BF16),
+    # Gradients in GradBuckets, and data-parallel backward on 2 ranks against DDP.
+    *_both("buckets", "2000x4096", F32),
+    Workload("ddp", "transformer", F32),
     # GPU only: a 1B model, 10,000 tiny tensors, and the tensor-count sweep for the chart.
     *_both("clip", "llama1b", F32, cuda_only=True),
     *_both("clip", "llama1b", BF16, cuda_only=True),
@@ -131,8 +142,10 @@ WORKLOADS: list[Workload] = [
 
 
 def available(device_type: str) -> list[Workload]:
-    """The workloads run on a device of this type (``cpu`` or ``cuda``), in order."""
-    return [w for w in WORKLOADS if device_type == "cuda" or not w.cuda_only]
+    """The workloads run on a device of this type (``cpu`` or ``cuda``), in order. The 2-rank
+    data-parallel workload needs two GPUs on CUDA (NCCL)."""
+    two_ranks = device_type == "cpu" or torch.cuda.device_count() >= 2
+    return [w for w in WORKLOADS if (device_type == "cuda" or not w.cuda_only) and (w.family != "ddp" or two_ranks)]
 
 
 def select(device_type: str, patterns: list[str] | None) -> list[Workload]:
