@@ -66,3 +66,17 @@ def test_demo_help_from_the_command_line():
         [sys.executable, "-m", "gradfuse", "demo", "--help"], capture_output=True, text=True, timeout=120, env=env
     )
     assert proc.returncode == 0 and "--precision" in proc.stdout and "--resume" in proc.stdout
+
+
+@pytest.mark.slow
+def test_demo_under_torchrun_trains_data_parallel(tmp_path):
+    """Two ranks on this machine (a localhost rendezvous): rank 0 alone writes and reports."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    out = tmp_path / "ddp"
+    demo = ["-m", "gradfuse", "demo", "--steps", "4", "--batch-size", "4", "--out", str(out), "--device", "cpu"]
+    proc = subprocess.run([*command, *demo], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr.count("2 ranks (cpu)") == 1 and proc.stderr.count("wrote ") == 1
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 4] and rows[-1]["loss"] < rows[0]["loss"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002.pt", "step-00000004.pt"]

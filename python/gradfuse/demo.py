@@ -5,14 +5,17 @@ is downloaded), read as bytes: a vocabulary of 256. The model is a GPT in miniat
 layers, width 128, context 128, ~0.8M parameters) trained with ``gradfuse.Trainer``:
 AdamW (fused), warmup + cosine schedule, clipping folded into the optimizer, a progress bar,
 metrics as JSON lines, a checkpoint, and a chart of the loss, gradient norm and learning rate.
-About a minute on 2 CPU cores at the default ``--steps``.
+About a minute on 2 CPU cores at the default ``--steps``. Under ``torchrun`` it trains
+data-parallel (each rank on its share of the text, ``DistributedSampler``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+import os
 import sys
 import sysconfig
 import time
@@ -173,14 +176,21 @@ def run(args: argparse.Namespace) -> int:
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         print("gradfuse demo: error: --device cuda, but torch sees no CUDA GPU; use --device cpu", file=sys.stderr)
         return 2
+    # Under torchrun each rank trains on its own share of the windows; rank 0 reports.
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    say = functools.partial(print, file=sys.stderr) if rank == 0 else lambda *args: None
     torch.manual_seed(args.seed)
     gpt = GPTConfig()
     text = stdlib_text()
     windows = Windows(text, gpt.ctx)
     held_out = [i for i in range(len(windows)) if i % HELD_OUT_EVERY == 0]
     train_windows = torch.utils.data.Subset(windows, [i for i in range(len(windows)) if i % HELD_OUT_EVERY])
-    train = torch.utils.data.DataLoader(train_windows, batch_size=args.batch_size, shuffle=True)
-    eval_windows = torch.utils.data.Subset(windows, held_out[:: max(1, len(held_out) // 256)][:256])
+    if world > 1:
+        sampler = torch.utils.data.DistributedSampler(train_windows, world, rank, shuffle=True, seed=args.seed)
+        train = torch.utils.data.DataLoader(train_windows, batch_size=args.batch_size, sampler=sampler)
+    else:
+        train = torch.utils.data.DataLoader(train_windows, batch_size=args.batch_size, shuffle=True)
+    eval_windows = torch.utils.data.Subset(windows, held_out[:: max(1, len(held_out) // 256)][:256][rank::world])
     eval_batches = list(torch.utils.data.DataLoader(eval_windows, batch_size=64))
 
     model = GPT(gpt)
@@ -211,11 +221,11 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=device,
     )
-    print(
+    where = f"{device}" if world == 1 else f"{world} ranks ({device})"
+    say(
         f"gradfuse demo: a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter character-level "
         f"transformer on {len(text) / 2**20:.1f} MiB of the Python standard library's source, {args.steps} steps "
-        f"of {args.batch_size}x{gpt.ctx} bytes, {args.precision} on {device}",
-        file=sys.stderr,
+        f"of {args.batch_size * world}x{gpt.ctx} bytes, {args.precision} on {where}"
     )
     try:
         trainer = Trainer(model, optimizer, train, config, eval_data=eval_batches, resume=args.resume)
@@ -225,21 +235,22 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     trainer.fit()
     elapsed = time.perf_counter() - start
+    if rank != 0:
+        return 0
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     chart = write_chart(out / "curves.png", rows, config.max_grad_norm)
     sample = model.generate(b"def ", 120, seed=args.seed).decode("utf-8", errors="replace")
     first, last = rows[0], rows[-1]
-    print(
+    say(
         f"\nloss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}), "
         f"held-out loss {last.get('eval_loss', math.nan):.3f} (uniform guessing: {math.log(256):.3f}); "
-        f"{elapsed:.0f} s\n\nsample:\ndef {sample}\n",
-        file=sys.stderr,
+        f"{elapsed:.0f} s\n\nsample:\ndef {sample}\n"
     )
     written = [out / "metrics.jsonl", latest_checkpoint(out / "checkpoints")]
     if chart is not None:
         written.append(chart)
-    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    say("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 

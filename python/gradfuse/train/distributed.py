@@ -1,21 +1,59 @@
-"""Who holds the gradients, and how many processes share the work.
+"""One process or several: where the trainer runs, and who holds the gradients.
 
 The trainer touches gradient management in two places besides clipping (which goes through
 the scaler): it zeroes the gradients before a step, and it lets backward skip communication
-on every micro-step but the last (``no_sync``). ``LocalGradients`` is that for one process.
-``World`` says which process this is and averages a scalar over the processes (the loss,
-for logging and for the non-finite check, which must agree on every rank).
+on every micro-step but the last (``no_sync``). ``LocalGradients`` does that for one process
+(torch's own ``zero_grad``, nothing to skip); ``BucketGradients`` for data parallelism, with
+``gradfuse.GradBuckets`` over the process group: gradients in a few flat buckets, averaged
+across ranks while backward runs, ``no_sync`` on accumulation micro-steps.
+
+``connect`` gives the ``World``: a single process, or, when a default process group exists
+(made by the caller, or here from torchrun's environment: gloo on CPU, NCCL on GPU), this
+rank of it. Rank 0 is the one that writes checkpoints, metrics and the progress bar. Each
+rank trains on its own ``train_data`` (shard it, e.g. with ``DistributedSampler``).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 
 import torch
+import torch.distributed as dist
+
+from ..buckets import GradBuckets
+
+
+class LocalGradients:
+    """Gradients as autograd leaves them in ``param.grad``; nothing to communicate."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class BucketGradients:
+    """Gradients as views into ``GradBuckets`` that average them across ``group`` in backward."""
+
+    def __init__(self, model: torch.nn.Module, group):
+        # Broadcasts rank 0's weights, as DistributedDataParallel does.
+        self.buckets = GradBuckets([p for p in model.parameters() if p.requires_grad], process_group=group)
+
+    def zero_grad(self) -> None:
+        self.buckets.zero_grad()
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.buckets.no_sync()
 
 
 class World:
-    """One process: rank 0 of 1."""
+    """A single process: rank 0 of 1."""
 
     rank = 0
     world_size = 1
@@ -25,20 +63,52 @@ class World:
         return self.rank == 0
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` averaged over the ranks (a scalar on the training device)."""
         return value
 
-    def close(self) -> None:
-        pass
+    def gradients(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        return LocalGradients(optimizer)
 
 
-class LocalGradients:
-    """Gradients as autograd leaves them in ``param.grad``; nothing to communicate."""
+class ProcessGroupWorld(World):
+    """This rank of a ``torch.distributed`` process group."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        total = value.detach().clone()
+        dist.all_reduce(total, group=self.group)  # a sum: gloo has no average
+        return total / self.world_size
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    def gradients(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        return BucketGradients(model, self.group)
+
+
+def training_device(requested: str | None, model: torch.nn.Module) -> torch.device:
+    """``requested``, or where the model is; a CUDA device without an index is this rank's
+    (torchrun's ``LOCAL_RANK``) or the current one."""
+    device = torch.device(requested) if requested else next(model.parameters()).device
+    if device.type == "cuda" and device.index is None:
+        local_rank = os.environ.get("LOCAL_RANK")
+        device = torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def connect(device: torch.device) -> World:
+    """The ``World`` this process trains in (see the module docs). A process group made here
+    from torchrun's environment is destroyed when the process exits."""
+    if not dist.is_available():
+        return World()
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return World()
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        atexit.register(dist.destroy_process_group)
+    if dist.get_world_size() == 1:
+        return World()
+    return ProcessGroupWorld(dist.group.WORLD)

@@ -33,7 +33,7 @@ from ..scaler import GradScaler
 from . import checkpoint
 from .config import TrainConfig
 from .data import BatchStream, batch_size, to_device, token_count
-from .distributed import LocalGradients, World
+from .distributed import connect, training_device
 from .metrics import Metrics, Throughput, peak_memory_mb
 from .schedule import build_scheduler
 
@@ -86,6 +86,10 @@ class Trainer:
     batch)`` gives the loss (default: ``model_loss``). ``eval_data``, when given, is evaluated
     every ``config.eval_every`` steps and at the end. ``resume`` is a checkpoint path, or
     ``"latest"`` for the newest in ``config.checkpoint_dir`` (none there: start fresh).
+
+    Under ``torchrun`` (or with a default process group already made) it trains data-parallel:
+    each rank on its own ``train_data``, gradients averaged through ``gradfuse.GradBuckets``,
+    communication on the last micro-step only, and rank 0 alone writes checkpoints and metrics.
     """
 
     def __init__(
@@ -102,15 +106,15 @@ class Trainer:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a gradfuse.TrainConfig, got {type(config).__name__}")
         self.config = config
-        self.world = World()
-        self.device = torch.device(config.device) if config.device else next(model.parameters()).device
+        self.device = training_device(config.device, model)
         self.model = model.to(self.device)
+        self.world = connect(self.device)
         self.optimizer = optimizer
         self.loss_fn = loss_fn or model_loss
         self.eval_data = eval_data
         self.batches = BatchStream(train_data)
         checkpoint_activations(model, config.activation_checkpointing)
-        self.grads = LocalGradients(model, optimizer)
+        self.grads = self.world.gradients(model, optimizer)  # zero_grad, no_sync
         self.scheduler = build_scheduler(optimizer, config)
         self.scaler = GradScaler(self.device.type, enabled=config.precision == "fp16")
         self.param_names = {p: name for name, p in model.named_parameters()}
@@ -169,7 +173,8 @@ class Trainer:
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)
             self.scheduler.step()
         self.step += 1
-        row.update(skipped=self.skipped, nan_losses=self.nan_losses, samples=samples, tokens=tokens)
+        world = self.world.world_size  # every rank takes batches of the same size
+        row.update(skipped=self.skipped, nan_losses=self.nan_losses, samples=samples * world, tokens=tokens * world)
         return row
 
     def _autocast(self):

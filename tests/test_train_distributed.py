@@ -1,0 +1,45 @@
+"""gradfuse.Trainer data-parallel on 2 real ranks (gloo, this machine only), against one
+process on the combined batch. Scenarios in ``train_dist_scenarios.py``, all in one start
+of two processes, each reported here as its own test."""
+
+from __future__ import annotations
+
+import inspect
+
+import multiprocess
+import pytest
+import torch.distributed as dist
+import train_dist_scenarios
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+]
+
+SCENARIOS = [
+    "two_ranks_match_one_process_on_the_combined_batch",
+    "communication_only_on_the_last_micro_step",
+    "rank_0_writes_and_every_rank_resumes",
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return multiprocess.run("train_dist_scenarios", SCENARIOS, world=2, deadline=240)
+
+
+def test_every_scenario_is_listed():
+    defined = {
+        name
+        for name, fn in vars(train_dist_scenarios).items()
+        if inspect.isfunction(fn)
+        and fn.__module__ == "train_dist_scenarios"
+        and list(inspect.signature(fn).parameters) == ["rank", "world"]
+    }
+    assert defined == set(SCENARIOS)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_two_ranks(results, name):
+    errors = {rank: err for rank, err in results[name].items() if err is not None}
+    assert not errors, "\n".join(f"--- rank {rank}:\n{err}" for rank, err in errors.items())

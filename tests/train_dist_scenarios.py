@@ -1,0 +1,148 @@
+"""Scenarios for ``gradfuse.Trainer`` on every rank of a 2-rank gloo process group, run by
+``tests/test_train_distributed.py`` through ``tests/multiprocess.py``. Each takes ``(rank,
+world)`` and raises on failure. The process group exists before the Trainer is made, so the
+Trainer joins it, as it would under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gradfuse.train import TrainConfig, Trainer, lr_factor
+
+STEPS, ACCUM, PER_RANK = 4, 2, 4
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def combined_batches(n: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    return [(torch.randn(size, 6, generator=gen), torch.randn(size, 2, generator=gen)) for _ in range(n)]
+
+
+def my_share(batches, rank: int, world: int):
+    size = len(batches[0][0]) // world
+    return [(x[rank * size : (rank + 1) * size], y[rank * size : (rank + 1) * size]) for x, y in batches]
+
+
+def mse(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def settings(**overrides) -> TrainConfig:
+    base = dict(
+        max_steps=STEPS, grad_accum_steps=ACCUM, max_grad_norm=0.05, lr=1e-2, lr_schedule="cosine", warmup_steps=1,
+        log_every=1, progress=False,
+    )  # fmt: skip
+    return TrainConfig(**{**base, **overrides})
+
+
+def shared_folder(name: str) -> Path:
+    """A folder both ranks name the same way (their parent is the same pytest process)."""
+    return Path(tempfile.gettempdir(), f"gradfuse-train-dist-{os.getppid()}", name)
+
+
+def two_ranks_match_one_process_on_the_combined_batch(rank, world):
+    combined = combined_batches(STEPS * ACCUM, PER_RANK * world)
+    net = model()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+    rows = Trainer(net, opt, my_share(combined, rank, world), settings(), loss_fn=mse).fit()
+
+    ref = model()  # one process, the combined batches, torch's own clipping
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    losses, norms = [], []
+    for step in range(STEPS):
+        for group in ref_opt.param_groups:
+            group["lr"] = 1e-2 * lr_factor(step, max_steps=STEPS, warmup_steps=1, schedule="cosine", min_lr_ratio=0.0)
+        ref_opt.zero_grad()
+        loss = 0.0
+        for micro in range(ACCUM):
+            micro_loss = mse(ref, combined[step * ACCUM + micro]) / ACCUM
+            micro_loss.backward()
+            loss += micro_loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
+        ref_opt.step()
+        losses.append(loss)
+    torch.testing.assert_close([r["loss"] for r in rows], losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close([r["grad_norm"] for r in rows], norms, rtol=1e-5, atol=0)
+    assert all(r["clip_coef"] < 1 for r in rows)
+    for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def communication_only_on_the_last_micro_step(rank, world):
+    """With no_sync on the first micro-steps, 4 micro-steps per step communicate as often as 1."""
+    real, calls = dist.all_reduce, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    counts = []
+    for accum in (1, 4):
+        batches = my_share(combined_batches(3 * accum, 2 * world), rank, world)
+        net = model()
+        cfg = settings(max_steps=3, grad_accum_steps=accum)
+        trainer = Trainer(net, torch.optim.AdamW(net.parameters()), batches, cfg, loss_fn=mse)
+        calls.clear()
+        dist.all_reduce = counting
+        try:
+            trainer.fit()
+        finally:
+            dist.all_reduce = real
+        counts.append(len(calls))
+    # Per step: the loss's mean, then the bucket (one, for this small model) and the used flags.
+    assert counts[0] == counts[1] == 3 * 3, counts
+
+
+def rank_0_writes_and_every_rank_resumes(rank, world):
+    folder = shared_folder("resume")
+    batches = my_share(combined_batches(STEPS * ACCUM, PER_RANK * world), rank, world)
+    mine = folder / f"rank{rank}"  # rank 1 is told to write here too: it must not
+    cfg = settings(checkpoint_dir=mine / "checkpoints", save_every=2, metrics_path=mine / "metrics.jsonl")
+
+    def run(crash_at=None, resume=None):
+        net = model()
+
+        def loss_fn(model, batch):
+            if trainer.step == crash_at:
+                raise RuntimeError("crash")
+            return mse(model, batch)
+
+        opt = torch.optim.AdamW(net.parameters(), fused=True)
+        trainer = Trainer(net, opt, batches, cfg, loss_fn=loss_fn, resume=resume)
+        trainer.fit()
+        return trainer
+
+    try:
+        straight = [p.detach().clone() for p in run().model.parameters()]
+        if rank == 0:
+            assert len(list((mine / "checkpoints").iterdir())) == 2 and (mine / "metrics.jsonl").is_file()
+        else:
+            assert not mine.exists()
+        cfg = settings(checkpoint_dir=folder / "rank0" / "crash", save_every=2)  # every rank reads rank 0's
+        try:
+            run(crash_at=2)
+        except RuntimeError as err:
+            assert str(err) == "crash"
+        dist.barrier()  # rank 0 has written its checkpoint of step 2
+        resumed = run(resume="latest")
+        assert resumed.step == STEPS
+        for a, b in zip(straight, resumed.model.parameters(), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folder.parent, ignore_errors=True)
