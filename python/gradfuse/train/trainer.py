@@ -132,32 +132,18 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns its numbers
-        (``step``, ``loss``, ``lr``, ``grad_norm``, ``clip_coef``, ``overflow``, ...)."""
-        cfg = self.config
+        (``step``, ``loss``, ``lr``, ``grad_norm``, ``clip_coef``, ``skipped``, ...)."""
         self.model.train()
         self.grads.zero_grad()
-        loss = torch.zeros((), device=self.device)
-        samples, tokens = 0, 0
-        for micro in range(cfg.grad_accum_steps):
-            batch = to_device(self.batches.next(), self.device)
-            samples, tokens = samples + batch_size(batch), tokens + (token_count(batch) or 0)
-            last = micro == cfg.grad_accum_steps - 1
-            with contextlib.nullcontext() if last else self.grads.no_sync():
-                with self._autocast():
-                    micro_loss = self.loss_fn(self.model, batch) / cfg.grad_accum_steps
-                self.scaler.scale(micro_loss).backward()
-            loss += micro_loss.detach()
-
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
-        grad_norm = self.scaler.unscale_and_clip_(self.optimizer, max_norm, cfg.norm_type)
-        found_inf = self.scaler.found_inf(self.optimizer)
+        loss, samples, tokens = self._forward_backward()
+        grad_norm, found_inf = self._unscale_and_clip()
         # The step's one host sync: whether to step, and what to report.
         loss_value, norm_value, overflow = torch.stack(
             [self.world.mean(loss).float(), grad_norm.float().to(loss.device), found_inf.to(loss.device)]
         ).tolist()
         row = {"step": self.step + 1, "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"]}
         row["grad_norm"] = norm_value
-        row["clip_coef"] = min(max_norm / (norm_value + 1e-6), 1.0) if math.isfinite(norm_value) else math.nan
+        row["clip_coef"] = min(self._max_norm / (norm_value + 1e-6), 1.0) if math.isfinite(norm_value) else math.nan
         if not math.isfinite(loss_value):
             self.nan_losses += 1
             self.nan_streak += 1
@@ -176,6 +162,32 @@ class Trainer:
         world = self.world.world_size  # every rank takes batches of the same size
         row.update(skipped=self.skipped, nan_losses=self.nan_losses, samples=samples * world, tokens=tokens * world)
         return row
+
+    def _forward_backward(self) -> tuple[torch.Tensor, int, int]:
+        """The micro-steps: (the step's loss on the device, samples, tokens)."""
+        cfg = self.config
+        loss = torch.zeros((), device=self.device)
+        samples, tokens = 0, 0
+        for micro in range(cfg.grad_accum_steps):
+            batch = to_device(self.batches.next(), self.device)
+            samples, tokens = samples + batch_size(batch), tokens + (token_count(batch) or 0)
+            last = micro == cfg.grad_accum_steps - 1
+            with contextlib.nullcontext() if last else self.grads.no_sync():
+                with self._autocast():
+                    micro_loss = self.loss_fn(self.model, batch) / cfg.grad_accum_steps
+                self.scaler.scale(micro_loss).backward()
+            loss += micro_loss.detach()
+        return loss, samples, tokens
+
+    def _unscale_and_clip(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm before clipping, found_inf), on the device. With a fused optimizer nothing is
+        written: the unscale and the clip are applied by ``scaler.step`` inside its read."""
+        grad_norm = self.scaler.unscale_and_clip_(self.optimizer, self._max_norm, self.config.norm_type)
+        return grad_norm, self.scaler.found_inf(self.optimizer)
+
+    @property
+    def _max_norm(self) -> float:
+        return self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
 
     def _autocast(self):
         dtype = AUTOCAST_DTYPES.get(self.config.precision)
