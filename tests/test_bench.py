@@ -1,6 +1,7 @@
 """The benchmark and the CLI: a quick CPU run's records, and the checks that keep a bench from
 reporting a fast wrong answer. Nothing here asserts speed; the bench only reports it."""
 
+import dataclasses
 import json
 import math
 import os
@@ -31,6 +32,8 @@ CPU_WORKLOADS = {
     "buckets_2000x4096_fp32_active": (2000, 3),
     "buckets_2000x4096_fp32_inactive": (2000, 1),
     "ddp_transformer_fp32": (29, 1),  # the quick model's parameters; bytes: the gradients reduced
+    "step_gpt2_fp32_active": (148, 8),  # the norm's read, then AdamW's 4 reads and 3 writes
+    "trainer_gpt2small_fp32": (28, 1),  # the quick model's parameters; bytes: its gradients
 }
 ITEMSIZE = {"fp32": 4, "bf16": 2}
 REQUIRED = {
@@ -75,7 +78,7 @@ def quick_run(tmp_path_factory):
 def test_quick_run_writes_one_json_and_one_markdown_file(quick_run):
     proc, out, doc = quick_run
     names = sorted(p.suffix for p in out.iterdir())
-    assert names == [".json", ".md"]  # no chart without a CUDA sweep
+    assert names == [".json", ".md", ".png"]  # the chart of speedups (matplotlib is a dependency)
     (json_path,) = out.glob("*.json")
     assert json_path.name.startswith("cpu_") and "_quick" in json_path.name
     assert doc["schema"] == 1 and doc["failures"] == []
@@ -115,13 +118,19 @@ def test_every_workload_has_torch_and_gradfuse_and_consistent_speedups(quick_run
     assert set(by_workload["accumulate_gpt2_bf16"]) == {"torch", "gradfuse", "torch_foreach"}
     assert set(by_workload["buckets_2000x4096_fp32_active"]) == {"torch", "gradfuse", "gradfuse_dropin"}
     assert set(by_workload["ddp_transformer_fp32"]) == {"torch", "gradfuse", "torch_bucket_view", "comm_only"}
+    assert set(by_workload["trainer_gpt2small_fp32"]) == {"torch", "gradfuse", "torch:grads", "gradfuse:grads"}
     for name, (n_tensors, passes) in CPU_WORKLOADS.items():
         impls = by_workload[name]
         assert {"torch", "gradfuse"} <= set(impls), name
-        torch_median = impls["torch"]["median_us"]
         for impl, record in impls.items():
+            whole, colon, part = impl.partition(":")  # a part of a step: against torch's same part
+            torch_median = impls["torch" + colon + part]["median_us"]
             assert record["n_tensors"] == n_tensors
             assert record["speedup"] == pytest.approx(torch_median / record["median_us"], rel=1e-9), (name, impl)
+            if part:  # the part's fraction of its implementation's whole step
+                assert record["share"] == pytest.approx(record["median_us"] / impls[whole]["median_us"], rel=1e-9)
+            else:
+                assert record["share"] is None
             # The same algorithmic bytes for every implementation of a workload.
             assert record["bytes"] == impls["torch"]["bytes"]
             dtype = record["dtype"]
@@ -206,6 +215,35 @@ def test_a_bucket_clip_that_does_not_rescale_is_caught(monkeypatch):
     monkeypatch.setattr(cases, "_bucket_clip", lambda params, max_norm: params.buckets.get_total_norm())
     with pytest.raises(BenchError, match="gradfuse gradients after one call"):
         _run("buckets_2000x4096_fp32_active")
+
+
+def test_a_step_that_does_not_clip_is_caught(monkeypatch):
+    from gradfuse.bench import training
+
+    real = training._gradfuse_step
+
+    def unclipped(s, max_norm):
+        return real(s, math.inf)
+
+    monkeypatch.setattr(training, "_gradfuse_step", unclipped)
+    with pytest.raises(BenchError, match=r"gradfuse (weights|exp_avg) after one step"):
+        _run("step_gpt2_fp32_active")
+
+
+def test_a_trainer_step_that_does_not_clip_is_caught(monkeypatch):
+    from gradfuse.bench import training
+
+    make = training.TrainerFamily.new_set_for
+
+    def unclipped(self, impl):
+        state = make(self, impl)
+        if impl == "gradfuse":
+            state.config = dataclasses.replace(state.config, max_grad_norm=None)
+        return state
+
+    monkeypatch.setattr(training.TrainerFamily, "new_set_for", unclipped)
+    with pytest.raises(BenchError, match=r"Trainer (weights|exp_avg) after one step"):
+        _run("trainer_gpt2small_fp32")
 
 
 def test_wrong_accumulation_is_caught(monkeypatch):

@@ -178,6 +178,9 @@ class Family:
     """One op family on one workload. Subclasses define the buffers, calls and checks."""
 
     restore_every: int | None = None
+    #: Rotate over several buffer sets so that no call finds the last one's data in cache;
+    #: off for whole training steps, whose activations dwarf any cache.
+    rotate_sets = True
 
     def __init__(self, workload: Workload, device: torch.device, quick: bool):
         self.workload = workload
@@ -192,6 +195,10 @@ class Family:
 
     def new_set(self):
         raise NotImplementedError
+
+    def new_set_for(self, impl: str):
+        """The buffers of implementation ``impl`` (by default the same kind for every one)."""
+        return self.new_set()
 
     @property
     def set_bytes(self) -> int:
@@ -402,4 +409,6 @@ FAMILY_CLASSES = {"clip": ClipFamily, "buckets": BucketClipFamily, "amp": AmpFam
 
 
 def make_family(workload: Workload, device: torch.device, quick: bool) -> Family:
-    return FAMILY_CLASSES[workload.family](workload, device, quick)
+    from .training import TRAINING_FAMILIES  # built on Family, kept in a module of their own
+
+    return (FAMILY_CLASSES | TRAINING_FAMILIES)[workload.family](workload, device, quick)

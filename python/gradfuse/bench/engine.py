@@ -55,7 +55,7 @@ class Runner:
 
     def __init__(self, family: Family, name: str, fn, n_sets: int):
         self.family, self.name, self.fn = family, name, fn
-        self.sets = [family.new_set() for _ in range(n_sets)]
+        self.sets = [family.new_set_for(name) for _ in range(n_sets)]
         self.calls = [0] * n_sets  # calls on each set since its last restore
         self.turn = 0
         self.result = ImplResult(name)
@@ -91,7 +91,7 @@ def run_workload(workload: Workload, device: Device, reps: int | None) -> Worklo
 
         return run_ddp(workload, device, reps)
     family = make_family(workload, device.torch_device, device.quick)
-    n_sets = device.buffer_sets(family.set_bytes)
+    n_sets = device.buffer_sets(family.set_bytes) if family.rotate_sets else 1
     runners = {name: Runner(family, name, fn, n_sets) for name, fn in family.impls().items()}
 
     # 1. Correctness: every implementation's first call, on identical inputs (set 0, call 0).

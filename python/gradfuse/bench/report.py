@@ -13,6 +13,7 @@ import json
 import platform
 import re
 import statistics
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -77,10 +78,11 @@ def build_records(run: RunResult, device: Device, date: datetime) -> list[dict]:
     ]
     for result in run.results:
         wl = result.workload
-        torch_median = statistics.median(result.impls["torch"].times_us)
+        medians = {name: statistics.median(impl.times_us) for name, impl in result.impls.items()}
         for impl in result.impls.values():
             stats = _stats(impl.times_us)
             gbps = result.bytes_moved / stats["median_us"] / 1e3
+            whole, part = _split(impl.name)
             record = {
                 "workload": wl.name,
                 "family": wl.family,
@@ -95,7 +97,10 @@ def build_records(run: RunResult, device: Device, date: datetime) -> list[dict]:
                 "reps": len(impl.times_us),
                 "gbps": gbps,
                 "copy_frac": gbps / copy_gbps,
-                "speedup": torch_median / stats["median_us"],
+                # A part (``impl:part``) is compared with torch's same part.
+                "speedup": medians["torch" + part] / stats["median_us"],
+                # ... and is this fraction of its implementation's whole step.
+                "share": stats["median_us"] / medians[whole] if part else None,
                 "buffer_sets": result.buffer_sets,
                 **common,
             }
@@ -104,6 +109,12 @@ def build_records(run: RunResult, device: Device, date: datetime) -> list[dict]:
                 record["launches"] = impl.launches
             records.append(record)
     return records
+
+
+def _split(impl: str) -> tuple[str, str]:
+    """``"gradfuse:grads"`` -> ``("gradfuse", ":grads")``; ``"gradfuse"`` -> ``("gradfuse", "")``."""
+    whole, colon, part = impl.partition(":")
+    return whole, colon + part
 
 
 def _rust_threads() -> int:
@@ -127,6 +138,9 @@ def _count(n: int) -> str:
 def table_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     cuda = any(r["device_type"] == "cuda" for r in records)
     header = ["workload", "impl", "dtype", "tensors", "elements", "median", "GB/s", "of copy", "speedup"]
+    shares = any(r.get("share") is not None for r in records)
+    if shares:
+        header.append("of step")
     if cuda:
         header += ["host", "launches"]
     rows, last = [], None
@@ -144,6 +158,8 @@ def table_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
             f"{100 * r['copy_frac']:.0f}%",
             "" if r["speedup"] is None else f"{r['speedup']:.2f}x",
         ]
+        if shares:
+            row.append("" if r.get("share") is None else f"{100 * r['share']:.1f}%")
         if cuda:
             row += [_time(r["host_us"]) if "host_us" in r else "", str(r.get("launches") or "")]
         rows.append(row)
@@ -167,7 +183,7 @@ def title(records: list[dict]) -> str:
 def format_table(records: list[dict]) -> str:
     header, rows = table_rows(records)
     widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
-    numeric = {"tensors", "elements", "median", "GB/s", "of copy", "speedup", "host", "launches"}
+    numeric = {"tensors", "elements", "median", "GB/s", "of copy", "speedup", "of step", "host", "launches"}
 
     def line(cells):
         return "  ".join(
@@ -185,7 +201,9 @@ def format_markdown(records: list[dict]) -> str:
         "",
         "Medians of interleaved calls. `GB/s` counts the workload's algorithmic bytes (the least the "
         "operation must read and write), `of copy` compares that with the copy baseline measured in "
-        "the same run, `speedup` is torch's median over the implementation's. See benches/README.md.",
+        "the same run, `speedup` is torch's median over the implementation's (for a part of a step, "
+        "`impl:part`, torch's same part over it; `of step` is the part's share of its implementation's "
+        "whole step). See benches/README.md.",
     ]
     return "\n".join(out) + "\n"
 
@@ -201,8 +219,8 @@ def file_stem(device: Device, date: datetime, tag: str | None) -> str:
 
 
 def write_files(out_dir: Path, stem: str, records: list[dict], run: RunResult, command: list[str]) -> list[Path]:
-    """Write ``<stem>.json`` and ``<stem>.md`` (and ``<stem>.png`` when there is a sweep to draw
-    and matplotlib imports); returns the paths written."""
+    """Write ``<stem>.json``, ``<stem>.md`` and, when matplotlib imports, the chart ``<stem>.png``;
+    returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {
         "schema": SCHEMA,
@@ -218,18 +236,29 @@ def write_files(out_dir: Path, stem: str, records: list[dict], run: RunResult, c
 
 
 def write_chart(path: Path, records: list[dict]) -> Path | None:
-    """Speedup over torch against tensor count, from the sweep workloads (CUDA); None when
-    there is no sweep or no matplotlib."""
-    sweep = [r for r in records if r["shapes"].startswith("sweep") and r["impl"] != "torch"]
-    if not sweep:
-        return None
+    """The run's chart: speedup against tensor count when the run has the tensor-count sweep
+    (CUDA), otherwise every implementation's speedup over torch per workload. None, with a
+    message, when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception:
+    except ImportError:
+        print("matplotlib is not installed, so no chart (pip install matplotlib)", file=sys.stderr)
         return None
+    sweep = [r for r in records if r["shapes"].startswith("sweep") and r["impl"] != "torch"]
+    bars = [r for r in records if r["speedup"] is not None and not r["impl"].startswith("torch")]
+    if not bars:
+        return None
+    fig = _sweep_chart(plt, sweep) if sweep else _speedup_chart(plt, bars)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _sweep_chart(plt, sweep: list[dict]):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for impl in dict.fromkeys(r["impl"] for r in sweep):
         points = sorted((r["n_tensors"], r["speedup"]) for r in sweep if r["impl"] == impl)
@@ -241,7 +270,21 @@ def write_chart(path: Path, records: list[dict]) -> Path | None:
     ax.set_title(f"clip_grad_norm_, active: {sweep[0]['device']}", fontsize=10)
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def _speedup_chart(plt, bars: list[dict]):
+    """Horizontal bars, one per (workload, implementation), top to bottom in run order."""
+    labels = [f"{r['workload']}  {r['impl']}" for r in bars]
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.28 * len(bars)))
+    y = range(len(bars))[::-1]
+    colors = ["tab:green" if r["speedup"] >= 1 else "tab:red" for r in bars]
+    ax.barh(list(y), [r["speedup"] for r in bars], color=colors)
+    ax.set_yticks(list(y), labels, fontsize=8)
+    ax.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("speedup over torch (median wall time; log scale)")
+    quick = " (--quick)" if bars[0]["quick"] else ""
+    ax.set_title(f"gradfuse vs torch{quick}: {bars[0]['device']}, {bars[0]['device_type']}", fontsize=10)
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    return fig

@@ -19,7 +19,7 @@ import torch
 
 Shape = tuple[int, ...]
 
-FAMILIES = ("clip", "buckets", "amp", "accumulate", "ddp")
+FAMILIES = ("clip", "buckets", "amp", "accumulate", "ddp", "step", "trainer")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 #: Tensor counts of the GPU sweep (the chart of speedup against tensor count); the total
@@ -69,6 +69,13 @@ def transformer_shapes(quick: bool) -> list[Shape]:
     return [tuple(p.shape) for p in make_model(quick).parameters()]
 
 
+def gpt2small_shapes(quick: bool) -> list[Shape]:
+    """The parameters of the trainer benchmark's small GPT-2-shaped model."""
+    from .training import gpt2small_shapes as shapes
+
+    return shapes(quick)
+
+
 def uniform_shapes(n: int, numel: int) -> list[Shape]:
     return [(numel,)] * n
 
@@ -87,16 +94,17 @@ SHAPE_SETS = {
     "llama1b": (llama_shapes, lambda: llama_shapes(vocab=1024, hidden=128, inter=352, kv=32)),
     "tiny10000": (tiny_shapes, tiny_shapes),
     "transformer": (lambda: transformer_shapes(False), lambda: transformer_shapes(True)),
+    "gpt2small": (lambda: gpt2small_shapes(False), lambda: gpt2small_shapes(True)),
     **{f"sweep{n}": _sweep(n) for n in SWEEP_COUNTS},
 }
 
 
 @dataclass(frozen=True)
 class Workload:
-    family: str  # clip | amp | accumulate
+    family: str  # one of FAMILIES
     shape_set: str  # a key of SHAPE_SETS
     dtype: torch.dtype  # of the gradients (for accumulate: of the source, added into fp32)
-    mode: str | None = None  # active | inactive (clip and amp), None (accumulate)
+    mode: str | None = None  # active | inactive (clip, buckets, amp, step), None (the others)
     cuda_only: bool = False
 
     @property
@@ -131,6 +139,9 @@ WORKLOADS: list[Workload] = [
     # Gradients in GradBuckets, and data-parallel backward on 2 ranks against DDP.
     *_both("buckets", "2000x4096", F32),
     Workload("ddp", "transformer", F32),
+    # Training steps: clip + fused AdamW under loss scaling, and a whole Trainer step.
+    Workload("step", "gpt2", F32, "active"),
+    Workload("trainer", "gpt2small", F32),
     # GPU only: a 1B model, 10,000 tiny tensors, and the tensor-count sweep for the chart.
     *_both("clip", "llama1b", F32, cuda_only=True),
     *_both("clip", "llama1b", BF16, cuda_only=True),

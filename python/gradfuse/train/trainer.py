@@ -132,8 +132,8 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns its numbers
-        (``step``, ``loss``, ``lr``, ``grad_norm``, ``clip_coef``, ``skipped``, ...)."""
-        self.model.train()
+        (``step``, ``loss``, ``lr``, ``grad_norm``, ``clip_coef``, ``skipped``, ...). The model
+        is trained in whatever mode it is in (``fit`` puts it in training mode)."""
         self.grads.zero_grad()
         loss, samples, tokens = self._forward_backward()
         grad_norm, found_inf = self._unscale_and_clip()
@@ -211,6 +211,7 @@ class Trainer:
     def fit(self) -> list[dict]:
         """Train to ``config.max_steps`` steps; returns the metrics rows written on the way."""
         cfg = self.config
+        self.model.train()
         throughput = Throughput()
         with Metrics(cfg.metrics_path, cfg.progress, cfg.max_steps, self.step, self.world.is_main) as metrics:
             while self.step < cfg.max_steps:
