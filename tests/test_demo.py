@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +82,21 @@ def test_demo_under_torchrun_trains_data_parallel(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 4] and rows[-1]["loss"] < rows[0]["loss"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002.pt", "step-00000004.pt"]
+
+
+def test_a_missing_matplotlib_is_a_clear_message_not_a_crash(tmp_path, monkeypatch, capsys):
+    from gradfuse.demo import write_chart
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert write_chart(tmp_path / "c.png", [{"step": 1, "loss": 2.0, "grad_norm": 1.0, "lr": 0.1}]) is None
+    assert "matplotlib is not installed, so no chart (pip install matplotlib)" in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_what_the_demo_needs_is_installed_by_pip_install():
+    """The README's first command is `pip install . && python -m gradfuse demo`: every
+    third-party package the demo imports is a dependency, not an extra."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~ \[]", dep, maxsplit=1)[0] for dep in project["dependencies"]}
+    assert {"torch", "numpy", "tqdm", "matplotlib"} <= names

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -337,3 +338,11 @@ def test_trainer_wants_a_trainconfig():
 
 def test_exports():
     assert gradfuse.Trainer is Trainer and gradfuse.TrainConfig is TrainConfig
+
+
+def test_a_missing_tqdm_is_a_clear_warning_and_training_goes_on(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    model = TinyLM()
+    with pytest.warns(UserWarning, match=r"progress=True needs tqdm \(pip install tqdm\)"):
+        rows = Trainer(model, adamw(model), loader(), config(max_steps=2, progress=True)).fit()
+    assert [r["step"] for r in rows] == [1, 2]
