@@ -100,3 +100,9 @@ def test_what_the_demo_needs_is_installed_by_pip_install():
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     names = {re.split(r"[<>=!~ \[]", dep, maxsplit=1)[0] for dep in project["dependencies"]}
     assert {"torch", "numpy", "tqdm", "matplotlib"} <= names
+
+
+def test_the_demo_is_the_readmes_first_command():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    first_block = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert first_block.strip() == "pip install . && python -m gradfuse demo"

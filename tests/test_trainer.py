@@ -205,7 +205,8 @@ def test_bf16_runs_under_autocast():
 # --- non-finite losses ----------------------------------------------------------------------
 
 
-def test_nan_losses_are_skipped_counted_and_stop_training_when_in_a_row():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_nan_losses_are_skipped_counted_and_stop_training_when_in_a_row(fused):
     model = TinyLM()
     nan_at = {2, 4, 5, 6}  # one alone, then three in a row
 
@@ -213,7 +214,7 @@ def test_nan_losses_are_skipped_counted_and_stop_training_when_in_a_row():
         loss = model(**batch).loss
         return loss * math.nan if trainer.step + 1 in nan_at else loss
 
-    trainer = Trainer(model, adamw(model), loader(), config(max_steps=10, max_nan_losses=3), loss_fn=loss_fn)
+    trainer = Trainer(model, adamw(model, fused), loader(), config(max_steps=10, max_nan_losses=3), loss_fn=loss_fn)
     snapshots = {}
     real_step = trainer.train_step
 
