@@ -250,3 +250,27 @@ def test_other_norm_types(norm_type):
         scaler.step(opt)
         scaler.update()
     pair.assert_same()
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["unscale", "unscale_and_clip"])
+def test_sparse_gradients_take_torchs_path_with_torchs_answer(clip):
+    """gradfuse's kernels take dense gradients; sparse ones are unscaled (and clipped) by torch."""
+    models = [torch.nn.Embedding(10, 3, sparse=True) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    scalers = torch.amp.GradScaler("cpu", init_scale=4.0), gradfuse.GradScaler("cpu", init_scale=4.0)
+    ids = torch.tensor([1, 2, 2, 7])
+    for model, scaler in zip(models, scalers, strict=True):
+        scaler.scale(model(ids).pow(2).sum()).backward()
+    scalers[0].unscale_(opts[0])
+    if clip:
+        expected = torch.nn.utils.clip_grad_norm_(models[0].parameters(), 0.5)
+        torch.testing.assert_close(scalers[1].unscale_and_clip_(opts[1], 0.5), expected)
+    else:
+        scalers[1].unscale_(opts[1])
+    assert models[1].weight.grad.is_sparse
+    torch.testing.assert_close(models[1].weight.grad.to_dense(), models[0].weight.grad.to_dense())
+    for scaler, opt in zip(scalers, opts, strict=True):
+        scaler.step(opt)
+        scaler.update()
+    torch.testing.assert_close(models[1].weight, models[0].weight)

@@ -63,19 +63,16 @@ def checkpoint_activations(model: torch.nn.Module, class_names: Iterable[str]) -
     backward instead of keeping them (``torch.utils.checkpoint``, non-reentrant). Returns how
     many modules were wrapped; a name that matches no module is an error."""
     wanted = set(class_names)
-    found = set()
-    for module in model.modules():
-        name = type(module).__name__
-        if name in wanted:
-            module.forward = functools.partial(torch.utils.checkpoint.checkpoint, module.forward, use_reentrant=False)
-            found.add(name)
-    if wanted - found:
-        present = sorted({type(m).__name__ for m in model.modules()})
+    present = {type(m).__name__ for m in model.modules()}
+    if wanted - present:  # checked before anything is wrapped
         raise ValueError(
-            f"TrainConfig.activation_checkpointing names {sorted(wanted - found)}, but the model has no module "
-            f"of that class (it has: {', '.join(present)})"
+            f"TrainConfig.activation_checkpointing names {sorted(wanted - present)}, but the model has no module "
+            f"of that class (it has: {', '.join(sorted(present))})"
         )
-    return len(found)
+    wrapped = [m for m in model.modules() if type(m).__name__ in wanted]
+    for module in wrapped:
+        module.forward = functools.partial(torch.utils.checkpoint.checkpoint, module.forward, use_reentrant=False)
+    return len(wrapped)
 
 
 class Trainer:
