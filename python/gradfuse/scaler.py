@@ -70,8 +70,9 @@ def _takes_grad_scaler(optimizer_type: type) -> bool:
 
 
 def clip_coef(total_norm: Tensor, max_norm: float) -> Tensor:
-    """``min(max_norm / (total_norm + 1e-6), 1)`` on the norm's device, as torch computes it."""
-    return torch.clamp(max_norm / (total_norm + EPS), max=1.0)
+    """``min(max_norm / (total_norm + 1e-6), 1)`` on the norm's device, as torch computes it
+    (its ``number / tensor`` is ``tensor.reciprocal() * number``), in three C++ calls."""
+    return (total_norm + EPS).reciprocal_().mul_(max_norm).clamp_(max=1.0)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -151,9 +152,11 @@ class GradScaler(torch.amp.GradScaler):
         if groups is None:
             return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type)
         first = next(iter(groups))
-        scale = self._scale.to(first) if self._enabled else torch.ones((), dtype=torch.float32, device=first)
-        # In fp64 then rounded, as torch's unscale_ forms it.
-        inv_scale = scale.double().reciprocal().float()
+        if self._enabled:
+            scale = self._scale.to(first)
+            inv_scale = scale.double().reciprocal().float()  # in fp64 then rounded, as torch's unscale_
+        else:
+            scale = inv_scale = torch.ones((), dtype=torch.float32, device=first)
         try:
             with torch.no_grad():
                 _check_all(groups)
