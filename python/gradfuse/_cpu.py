@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import _rust
+from . import _rust, ops
 from ._plan import DTYPE_CODES, Plan, nonfinite_total_error
 
 _OPENMP_ENTRY_POINTS = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_get_max_threads")
@@ -25,9 +25,11 @@ def _use_torchs_threads() -> bool:
     beside them shares the cores with spinning threads (a norm run right after a torch op
     took 1.7x as long, see rust/parallel.rs). Work handed to torch's team runs on the threads
     already spinning, and follows ``torch.set_num_threads``. Without OpenMP in torch (or
-    without the entry points in the process), the kernels keep rayon's pool.
+    without the entry points in the process, or in a child made by os.fork()), the kernels
+    keep rayon's pool.
     """
-    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+    if ops.forked_child or "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        # A forked child's OpenMP team is the parent's, whose threads it does not have.
         return False
     try:
         process = ctypes.CDLL(None)  # every symbol loaded globally: torch's OpenMP runtime's
