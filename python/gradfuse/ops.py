@@ -306,6 +306,9 @@ def _acc_impl(dst: list[Tensor], src: list[Tensor], alpha: float) -> None:
     _check_pairs(dst, src)
     d = P.make_plan(_ACC, "dst", dst, inplace=True, dense_ok=False)
     s = P.make_plan(_ACC, "src", src, inplace=False, device=d.device, dense_ok=False)
+    if d.copied or s.copied:
+        # The backends see copies, which overlap nothing: compare what they stand for.
+        P.check_disjoint(_ACC, "dst", d.originals, "src", s.originals)
     _backend(d.device).accumulate_(d, s, float(alpha))
     d.finish_inplace(dst)
 
