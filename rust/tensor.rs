@@ -264,7 +264,7 @@ impl Strided {
             }
         }
         merged.reverse();
-        Layout { run, dims: merged }
+        Layout::new(run, merged)
     }
 }
 
@@ -273,9 +273,16 @@ impl Strided {
 struct Layout {
     run: usize,
     dims: Vec<(usize, usize)>,
+    /// The gcd of the strides: every run starts at `base` plus a multiple of it (0: one run).
+    period: usize,
 }
 
 impl Layout {
+    fn new(run: usize, dims: Vec<(usize, usize)>) -> Layout {
+        let period = dims.iter().fold(0, |g, &(_, s)| gcd(g, s));
+        Layout { run, dims, period }
+    }
+
     /// Whether the runs in index order are disjoint and ascending: every stride clears the whole
     /// extent of the dimensions inside it. Views cut from a tensor by slicing, stepping and
     /// permuting always are; only `as_strided` layouts whose dimensions interleave are not.
@@ -290,11 +297,6 @@ impl Layout {
         true
     }
 
-    /// The gcd of the strides: every run starts at `base` plus a multiple of it (0: one run).
-    fn period(&self) -> usize {
-        self.dims.iter().fold(0, |g, &(_, s)| gcd(g, s))
-    }
-
     /// The runs at `base` in ascending address order (where the layout overlaps itself, the
     /// overlapping runs come one after the other).
     fn runs(&self, base: usize) -> RunStream {
@@ -304,7 +306,7 @@ impl Layout {
         // Interleaved dimensions: the outermost one splits the view into sub-views, each
         // enumerated in order (recursively), merged by start address.
         let (n, s) = self.dims[0];
-        let inner = Layout { run: self.run, dims: self.dims[1..].to_vec() };
+        let inner = Layout::new(self.run, self.dims[1..].to_vec());
         let streams = (0..n).map(|i| inner.runs(base + i * s)).collect();
         Box::new(Merge::new(streams).map(|(start, end, _)| (start, end)))
     }
@@ -391,7 +393,7 @@ fn gcd(mut a: usize, mut b: usize) -> usize {
 /// residues mean disjoint bytes (e.g. `buf[0::2]` and `buf[1::2]`, or the column slices
 /// `W[:, 0:4]` and `W[:, 4:8]`).
 fn residues_disjoint(a: &Layout, a_base: usize, b: &Layout, b_base: usize) -> bool {
-    let g = gcd(a.period(), b.period());
+    let g = gcd(a.period, b.period);
     if g == 0 || a.run + b.run > g {
         return false;
     }
