@@ -228,22 +228,24 @@ def _densify(op: str, name: str, tensors: list[Tensor], inplace: bool, dense_ok:
     """Contiguous copies of the tensors whose elements are not one dense block (the others are
     used as they are: ``tensors`` itself when there is no copy) and, for in-place targets, the
     ``(original, copy)`` pairs to copy back."""
-    work = tensors
-    writeback = []
+    to_copy = []
     for i, t in enumerate(tensors):
         if t.is_contiguous() or t.numel() == 0:
             continue
         if inplace and torch._debug_has_internal_overlap(t) == 1:
             raise InternalOverlapError(internal_overlap_message(op, name, i))
         if not (dense_ok and is_dense(t)):
-            if work is tensors:
-                work = list(tensors)
-            work[i] = t.contiguous()
-            if inplace:
-                writeback.append((t, work[i]))
-    if writeback:
-        # The copies never overlap anything; the originals they are copied back into might.
+            to_copy.append(i)
+    if not to_copy:
+        return tensors, []
+    if inplace:
+        # The copies will overlap nothing; the originals they are copied back into might.
+        # Checked first, so that a refused call (or one handed to torch) copies nothing.
         check_disjoint(op, name, tensors)
+    work = list(tensors)
+    for i in to_copy:
+        work[i] = tensors[i].contiguous()
+    writeback = [(tensors[i], work[i]) for i in to_copy] if inplace else []
     return work, writeback
 
 
