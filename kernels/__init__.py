@@ -68,14 +68,18 @@ def scale_(plan, scale: torch.Tensor) -> None:
     """``x *= scale`` in place; ``scale`` is a one-element device tensor, read by the kernel (a
     scale of exactly 1 touches nothing)."""
     if len(plan):
-        _scale.multi_tensor_scale_(chunk_table([plan]), _scale.SCALE, scale)
+        table = chunk_table([plan])
+        plan.before_write()
+        _scale.multi_tensor_scale_(table, _scale.SCALE, scale)
 
 
 def clip_grads_with_norm_(plan, max_norm: float, total_norm: torch.Tensor) -> None:
     """``x *= clamp(max_norm / (total_norm + 1e-6), max=1)`` with the coefficient computed on the
     device in ``total_norm``'s dtype (torch's arithmetic); a coefficient of 1 touches nothing."""
     if len(plan):
-        _scale.multi_tensor_scale_(chunk_table([plan]), _scale.CLIP, total_norm, max_norm)
+        table = chunk_table([plan])
+        plan.before_write()
+        _scale.multi_tensor_scale_(table, _scale.CLIP, total_norm, max_norm)
 
 
 def clip_grad_norm_(plan, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
@@ -88,6 +92,7 @@ def clip_grad_norm_(plan, max_norm: float, norm_type: float, error_if_nonfinite:
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         # The one host sync of this backend, asked for by the caller; nothing was modified yet.
         raise _nonfinite_error(norm_type)
+    plan.before_write()
     _scale.multi_tensor_scale_(table, _scale.CLIP, total, max_norm)
     return total
 
@@ -96,7 +101,9 @@ def unscale_and_check_(plan, inv_scale: torch.Tensor, found_inf: torch.Tensor) -
     """As ``torch._amp_foreach_non_finite_check_and_unscale_``: ``x *= inv_scale``, and
     ``found_inf = 1.0`` if any ``x`` was inf or NaN (never reset to 0)."""
     if len(plan):
-        _unscale.unscale_and_check_(chunk_table([plan]), inv_scale, found_inf)
+        table = chunk_table([plan])
+        plan.before_write(found_inf)
+        _unscale.unscale_and_check_(table, inv_scale, found_inf)
 
 
 def unscale_check_norm(plan, inv_scale: torch.Tensor, norm_type: float):
@@ -118,6 +125,7 @@ def unscale_and_clip_(plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, ma
         return _empty_norm(plan, False)[0]
     table = chunk_table([plan])
     total = torch.empty((), dtype=plan.out_dtype, device=plan.device)
+    plan.before_write(found_inf)
     _norm.multi_tensor_norm(table, norm_type, total, None, inv_scale, found_inf, _norm.FOUND_SET)
     _scale.multi_tensor_scale_(table, _scale.UNSCALE_CLIP, total, max_norm, inv_scale)
     return total
@@ -126,10 +134,14 @@ def unscale_and_clip_(plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, ma
 def accumulate_(dst, src, alpha: float) -> None:
     """``dst[i] += alpha * src[i]``, in float64 if either side is float64, else float32."""
     if len(dst):
-        _accumulate.accumulate_(chunk_table([dst, src]), alpha)
+        table = chunk_table([dst, src])
+        dst.before_write()
+        _accumulate.accumulate_(table, alpha)
 
 
 def clamp_(plan, lo: float, hi: float) -> None:
     """``x = min(max(x, lo), hi)`` in place, NaN kept."""
     if len(plan):
-        _clamp.clamp_(chunk_table([plan]), lo, hi)
+        table = chunk_table([plan])
+        plan.before_write()
+        _clamp.clamp_(table, lo, hi)

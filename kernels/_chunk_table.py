@@ -164,11 +164,13 @@ class ChunkTable:
         self.conflict = None
 
     def check_disjoint(self, plans) -> None:
-        """Raises the CPU backend's ValueError if in-place targets overlap each other or the
+        """Raises the CPU backend's OverlapError if in-place targets overlap each other or the
         call's inputs (found once, when the table was built: it depends only on the key)."""
         if self.conflict is not None:
+            from .._plan import OverlapError
+
             (a, i), (b, j) = self.conflict
-            raise ValueError(
+            raise OverlapError(
                 f"{plans[a].name}[{i}] and {plans[b].name}[{j}] overlap in memory; in-place targets must not "
                 "overlap each other or their inputs"
             )

@@ -10,11 +10,18 @@
 //!
 //! Either way the work is split by item, each item runs on one thread, and results come back
 //! in item order, so callers that combine them in order are deterministic for any thread count.
+//!
+//! After `fork()` neither pool works in the child: the child has only the thread that forked,
+//! while the OpenMP runtime (libgomp) and rayon's registry still count the parent's workers, so a
+//! parallel region waits forever for threads that do not exist (torch's own large ops hang there
+//! the same way). The pools belong to the process that set them up ([`HOME`]); any other process
+//! is a forked child and runs its loops on a pool of its own, built on first use ([`fork_pool`]).
 
 use std::any::Any;
 use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_uint, c_void};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use rayon::prelude::*;
@@ -37,6 +44,42 @@ struct OpenMp {
 
 static OPENMP: OnceLock<OpenMp> = OnceLock::new();
 
+/// The process whose pools these are: the first one to set up or use them.
+static HOME: OnceLock<u32> = OnceLock::new();
+
+/// Whether this process is a child forked after the pools were set up (see the module docs).
+fn forked() -> bool {
+    let pid = std::process::id();
+    *HOME.get_or_init(|| pid) != pid
+}
+
+/// A forked child's own pool (and the process it belongs to), never freed: one per forked process.
+/// Lock-free, since a lock taken in the parent at the moment of a fork stays taken in the child.
+static FORK_POOL: AtomicPtr<(u32, rayon::ThreadPool)> = AtomicPtr::new(std::ptr::null_mut());
+
+/// This forked process's pool: as many threads as the parent's loops used (torch's thread count
+/// when on its OpenMP team, which `torch.set_num_threads` in the child also changes).
+fn fork_pool() -> &'static rayon::ThreadPool {
+    let pid = std::process::id();
+    // SAFETY: non-null pointers in FORK_POOL come from Box::into_raw below and are never freed.
+    if let Some((owner, pool)) = unsafe { FORK_POOL.load(Ordering::Acquire).as_ref() } {
+        if *owner == pid {
+            return pool;
+        }
+    }
+    let mut builder = rayon::ThreadPoolBuilder::new();
+    if let Some(omp) = OPENMP.get() {
+        // SAFETY: a valid omp_get_max_threads (use_openmp's contract); it reads a setting, no team.
+        builder = builder.num_threads(unsafe { (omp.max_threads)() }.max(1) as usize);
+    }
+    let pool = builder.build().expect("gradfuse: could not start threads in a forked process");
+    let leaked = Box::into_raw(Box::new((pid, pool)));
+    // Two threads of the child racing here each build one; the loser's pool is simply unused.
+    FORK_POOL.store(leaked, Ordering::Release);
+    // SAFETY: from Box::into_raw just above, never freed.
+    unsafe { &(*leaked).1 }
+}
+
 /// Run parallel loops on the OpenMP runtime whose functions are at these addresses (from then
 /// on, for the life of the process). Returns whether they are in use (the first call wins).
 ///
@@ -47,6 +90,7 @@ pub unsafe fn use_openmp(parallel: usize, thread_num: usize, num_threads: usize,
     if [parallel, thread_num, num_threads, max_threads].contains(&0) {
         return false;
     }
+    HOME.get_or_init(std::process::id);
     let omp = OpenMp {
         parallel: std::mem::transmute::<usize, ParallelFn>(parallel),
         thread_num: std::mem::transmute::<usize, IntFn>(thread_num),
@@ -64,6 +108,9 @@ pub fn on_openmp() -> bool {
 
 /// Threads a parallel loop started now would use.
 pub fn num_threads() -> usize {
+    if forked() {
+        return fork_pool().current_num_threads();
+    }
     match OPENMP.get() {
         // SAFETY: a valid omp_get_max_threads (use_openmp's contract).
         Some(omp) => unsafe { (omp.max_threads)() }.max(1) as usize,
@@ -86,6 +133,9 @@ pub fn map<S: Send, R: Send>(items: Vec<S>, weight: impl Fn(&S) -> usize, f: imp
     let total = items.last().map_or(0, |last| starts[starts.len() - 1] + weight(last));
     if total < PARALLEL_MIN || items.len() < 2 {
         return items.into_iter().map(f).collect();
+    }
+    if forked() {
+        return fork_pool().install(|| items.into_par_iter().map(f).collect());
     }
     match OPENMP.get() {
         Some(omp) => map_on(omp, items, &starts, total, f),

@@ -7,6 +7,8 @@
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use half::{bf16, f16};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 
 /// Elements per segment. Norm partials are formed per segment and combined in segment order,
 /// so results do not depend on the number of threads. Changing this constant changes the
@@ -215,6 +217,309 @@ pub fn find_conflict(ranges: &[(usize, usize, bool)]) -> Option<(usize, usize)> 
     None
 }
 
+/// The memory of one strided view, as torch describes it: the address of its first element,
+/// its element size, and per dimension `(size, stride in bytes)`. Unlike [`RawTensor`] it need
+/// not be dense; it is only ever compared, never read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Strided {
+    pub addr: usize,
+    pub itemsize: usize,
+    pub dims: Vec<(usize, usize)>,
+}
+
+impl Strided {
+    /// From torch's `data_ptr()`, `element_size()`, `shape` and `stride()` (strides in elements).
+    pub fn from_torch(addr: usize, itemsize: usize, shape: &[usize], strides: &[usize]) -> Strided {
+        let dims = shape.iter().zip(strides).map(|(&n, &s)| (n, s * itemsize)).collect();
+        Strided { addr, itemsize, dims }
+    }
+
+    /// Bytes `[start, end)` from the first element to the end of the last one; `None` when empty.
+    pub fn span(&self) -> Option<(usize, usize)> {
+        if self.dims.iter().any(|&(n, _)| n == 0) {
+            return None;
+        }
+        let last: usize = self.dims.iter().map(|&(n, s)| (n - 1) * s).sum();
+        Some((self.addr, self.addr + last + self.itemsize))
+    }
+
+    /// The view as runs of contiguous bytes: dimensions of size 1 dropped, the others sorted
+    /// outermost (largest stride) first, and each merged into the next outer one where together
+    /// they tile memory. The innermost dimension becomes the run when its elements are adjacent.
+    fn layout(&self) -> Layout {
+        let mut dims: Vec<(usize, usize)> = self.dims.iter().copied().filter(|&(n, _)| n > 1).collect();
+        dims.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(b.0.cmp(&a.0)));
+        let mut merged: Vec<(usize, usize)> = Vec::with_capacity(dims.len());
+        for &(n, s) in dims.iter().rev() {
+            match merged.last_mut() {
+                Some(inner) if s == inner.0 * inner.1 => inner.0 *= n,
+                _ => merged.push((n, s)),
+            }
+        }
+        let mut run = self.itemsize;
+        if let Some(&(n, s)) = merged.first() {
+            if s == self.itemsize {
+                run = n * self.itemsize;
+                merged.remove(0);
+            }
+        }
+        merged.reverse();
+        Layout::new(run, merged)
+    }
+}
+
+/// Runs of `run` bytes starting at `base + sum(i_d * stride_d)`, `dims` outermost first.
+#[derive(Clone, Debug)]
+struct Layout {
+    run: usize,
+    dims: Vec<(usize, usize)>,
+    /// The gcd of the strides: every run starts at `base` plus a multiple of it (0: one run).
+    period: usize,
+}
+
+impl Layout {
+    fn new(run: usize, dims: Vec<(usize, usize)>) -> Layout {
+        let period = dims.iter().fold(0, |g, &(_, s)| gcd(g, s));
+        Layout { run, dims, period }
+    }
+
+    /// Whether the runs in index order are disjoint and ascending: every stride clears the whole
+    /// extent of the dimensions inside it. Views cut from a tensor by slicing, stepping and
+    /// permuting always are; only `as_strided` layouts whose dimensions interleave are not.
+    fn monotone(&self) -> bool {
+        let mut extent = self.run;
+        for &(n, s) in self.dims.iter().rev() {
+            if s < extent {
+                return false;
+            }
+            extent += (n - 1) * s;
+        }
+        true
+    }
+
+    /// The runs at `base` in ascending address order (where the layout overlaps itself, the
+    /// overlapping runs come one after the other).
+    fn runs(&self, base: usize) -> RunStream {
+        if self.monotone() {
+            return Box::new(Odometer::new(base, self));
+        }
+        // Interleaved dimensions: the outermost one splits the view into sub-views, each
+        // enumerated in order (recursively), merged by start address.
+        let (n, s) = self.dims[0];
+        let inner = Layout::new(self.run, self.dims[1..].to_vec());
+        let streams = (0..n).map(|i| inner.runs(base + i * s)).collect();
+        Box::new(Merge::new(streams).map(|(start, end, _)| (start, end)))
+    }
+}
+
+/// Runs of contiguous bytes, `[start, end)`.
+type RunStream = Box<dyn Iterator<Item = (usize, usize)>>;
+
+/// A layout's runs in index order (ascending for a monotone layout).
+struct Odometer {
+    base: usize,
+    run: usize,
+    dims: Vec<(usize, usize)>,
+    index: Vec<usize>,
+    offset: usize,
+    done: bool,
+}
+
+impl Odometer {
+    fn new(base: usize, layout: &Layout) -> Odometer {
+        let dims = layout.dims.clone();
+        Odometer { base, run: layout.run, index: vec![0; dims.len()], dims, offset: 0, done: false }
+    }
+}
+
+impl Iterator for Odometer {
+    type Item = (usize, usize);
+    fn next(&mut self) -> Option<(usize, usize)> {
+        if self.done {
+            return None;
+        }
+        let start = self.base + self.offset;
+        self.done = true;
+        for d in (0..self.dims.len()).rev() {
+            let (n, s) = self.dims[d];
+            self.index[d] += 1;
+            self.offset += s;
+            if self.index[d] < n {
+                self.done = false;
+                break;
+            }
+            self.offset -= n * s;
+            self.index[d] = 0;
+        }
+        Some((start, start + self.run))
+    }
+}
+
+/// Several ascending run streams merged into one, each run tagged with its stream's index.
+struct Merge {
+    streams: Vec<RunStream>,
+    heap: BinaryHeap<Reverse<(usize, usize, usize)>>,
+}
+
+impl Merge {
+    fn new(mut streams: Vec<RunStream>) -> Merge {
+        let heap =
+            streams.iter_mut().enumerate().filter_map(|(k, s)| s.next().map(|(a, b)| Reverse((a, b, k)))).collect();
+        Merge { streams, heap }
+    }
+}
+
+impl Iterator for Merge {
+    type Item = (usize, usize, usize);
+    fn next(&mut self) -> Option<(usize, usize, usize)> {
+        let Reverse((start, end, k)) = self.heap.pop()?;
+        if let Some((a, b)) = self.streams[k].next() {
+            self.heap.push(Reverse((a, b, k)));
+        }
+        Some((start, end, k))
+    }
+}
+
+fn gcd(mut a: usize, mut b: usize) -> usize {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// Whether two layouts provably share no byte by arithmetic alone: every run of `a` starts at
+/// `a_base` plus a multiple of its period, and likewise for `b`; modulo the gcd `g` of the two
+/// periods, `a` covers `[a_base, a_base + a.run)` and `b` `[b_base, b_base + b.run)`. Disjoint
+/// residues mean disjoint bytes (e.g. `buf[0::2]` and `buf[1::2]`, or the column slices
+/// `W[:, 0:4]` and `W[:, 4:8]`).
+fn residues_disjoint(a: &Layout, a_base: usize, b: &Layout, b_base: usize) -> bool {
+    let g = gcd(a.period, b.period);
+    if g == 0 || a.run + b.run > g {
+        return false;
+    }
+    let d = if b_base >= a_base { (b_base - a_base) % g } else { (g - (a_base - b_base) % g) % g };
+    d >= a.run && g - d >= b.run
+}
+
+/// The furthest run ends seen so far from two different owners (the furthest of all, and the
+/// furthest among the other owners), so that a new run can be checked against every earlier
+/// run of another owner at once.
+#[derive(Default)]
+struct TopEnds([Option<(usize, usize)>; 2]);
+
+impl TopEnds {
+    fn push(&mut self, end: usize, owner: usize) {
+        match self.0 {
+            [None, _] => self.0[0] = Some((end, owner)),
+            [Some((e0, o0)), second] => {
+                if o0 == owner {
+                    if end > e0 {
+                        self.0[0] = Some((end, owner));
+                    }
+                } else if end > e0 {
+                    self.0 = [Some((end, owner)), Some((e0, o0))];
+                } else if second.is_none_or(|(e1, _)| end > e1) {
+                    self.0[1] = Some((end, owner));
+                }
+            }
+        }
+    }
+
+    /// An owner other than `owner` with a run ending after `start`.
+    fn other_past(&self, start: usize, owner: usize) -> Option<usize> {
+        let other = match self.0[0] {
+            Some((_, o)) if o == owner => self.0[1],
+            first => first,
+        };
+        other.filter(|&(e, _)| e > start).map(|(_, o)| o)
+    }
+}
+
+/// Finds two views that share a byte where at least one is written, or a written view whose
+/// own elements share memory (returned as `(i, i)`). Exact for any strided layouts, elements of
+/// any sizes: a range test first (views whose byte spans do not interleave are disjoint), then
+/// an arithmetic test per pair inside each group of interleaving spans, then, only for the
+/// views still in doubt, a merge of their runs of contiguous bytes in address order.
+pub fn find_strided_conflict(views: &[Strided], written: &[bool]) -> Option<(usize, usize)> {
+    let mut spans: Vec<(usize, usize, usize)> =
+        views.iter().enumerate().filter_map(|(i, v)| v.span().map(|(s, e)| (s, e, i))).collect();
+    spans.sort_unstable();
+    let mut layouts: Vec<Option<Layout>> = vec![None; views.len()];
+    let mut first = 0;
+    while first < spans.len() {
+        let mut end = spans[first].1;
+        let mut last = first + 1;
+        while last < spans.len() && spans[last].0 < end {
+            end = end.max(spans[last].1);
+            last += 1;
+        }
+        let group: Vec<usize> = spans[first..last].iter().map(|&(_, _, i)| i).collect();
+        first = last;
+        if !group.iter().any(|&i| written[i]) {
+            continue;
+        }
+        for &i in &group {
+            layouts[i] = Some(views[i].layout());
+        }
+        let layout = |i: usize| layouts[i].as_ref().expect("laid out above");
+        // Views in doubt: written ones that may overlap themselves, and both sides of every
+        // pair (one written) whose spans meet and whose residues do not separate them.
+        let mut doubt = vec![false; group.len()];
+        for (a, &i) in group.iter().enumerate() {
+            doubt[a] |= written[i] && !layout(i).monotone();
+            let (si, ei) = views[i].span().expect("non-empty");
+            for (b, &j) in group.iter().enumerate().skip(a + 1) {
+                let (sj, ej) = views[j].span().expect("non-empty");
+                if !(written[i] || written[j]) || sj >= ei || si >= ej {
+                    continue;
+                }
+                if !residues_disjoint(layout(i), views[i].addr, layout(j), views[j].addr) {
+                    doubt[a] = true;
+                    doubt[b] = true;
+                }
+            }
+        }
+        let suspects: Vec<usize> = group.iter().zip(&doubt).filter(|(_, &d)| d).map(|(&i, _)| i).collect();
+        if let Some(hit) = merge_conflict(&suspects, views, &layouts, written) {
+            return Some(hit);
+        }
+    }
+    None
+}
+
+/// The exact test: every run of the `suspects`, in address order, against the runs before it.
+fn merge_conflict(
+    suspects: &[usize],
+    views: &[Strided],
+    layouts: &[Option<Layout>],
+    written: &[bool],
+) -> Option<(usize, usize)> {
+    if suspects.is_empty() {
+        return None;
+    }
+    let streams = suspects.iter().map(|&i| layouts[i].as_ref().expect("laid out").runs(views[i].addr)).collect();
+    let mut any = TopEnds::default();
+    let mut writes = TopEnds::default();
+    let mut own_end = vec![0usize; suspects.len()];
+    for (start, end, k) in Merge::new(streams) {
+        let i = suspects[k];
+        if written[i] && start < own_end[k] {
+            return Some((i, i));
+        }
+        let seen = if written[i] { &any } else { &writes };
+        if let Some(o) = seen.other_past(start, k) {
+            let j = suspects[o];
+            return Some((i.min(j), i.max(j)));
+        }
+        own_end[k] = own_end[k].max(end);
+        any.push(end, k);
+        if written[i] {
+            writes.push(end, k);
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -281,6 +586,113 @@ mod tests {
             if let Some((i, j)) = found {
                 let (a, b) = (ranges[i], ranges[j]);
                 assert!(a.0 < b.1 && b.0 < a.1 && (a.2 || b.2), "{ranges:?} -> {i},{j}");
+            }
+        }
+    }
+
+    /// Bytes of each element of a view (brute force, index order).
+    fn element_bytes(v: &Strided) -> Vec<(usize, usize)> {
+        let mut out = vec![(v.addr, v.addr + v.itemsize)];
+        for &(n, s) in &v.dims {
+            out = (0..n).flat_map(|i| out.iter().map(move |&(a, b)| (a + i * s, b + i * s))).collect();
+        }
+        out
+    }
+
+    fn share_a_byte(a: &[(usize, usize)], b: &[(usize, usize)]) -> bool {
+        a.iter().any(|&(s, e)| b.iter().any(|&(t, f)| s < f && t < e))
+    }
+
+    fn self_overlaps(a: &[(usize, usize)]) -> bool {
+        (0..a.len()).any(|i| (i + 1..a.len()).any(|j| a[i].0 < a[j].1 && a[j].0 < a[i].1))
+    }
+
+    fn strided(addr: usize, itemsize: usize, dims: &[(usize, usize)]) -> Strided {
+        Strided { addr, itemsize, dims: dims.iter().map(|&(n, s)| (n, s * itemsize)).collect() }
+    }
+
+    #[test]
+    fn strided_views_that_share_no_element_do_not_conflict() {
+        // buf[0::2] and buf[1::2] (f32): interleaved spans, disjoint elements.
+        let even = strided(0x1000, 4, &[(8, 2)]);
+        let odd = strided(0x1004, 4, &[(8, 2)]);
+        assert_eq!(find_strided_conflict(&[even.clone(), odd.clone()], &[true, true]), None);
+        // W[:, 0:4], W[:, 4:8] and W[:, 8:16] of a 5 x 16 f32 matrix; then an overlapping slice.
+        let cols = |c0: usize, c1: usize| strided(0x1000 + c0 * 4, 4, &[(5, 16), (c1 - c0, 1)]);
+        let slices = [cols(0, 4), cols(4, 8), cols(8, 16)];
+        assert_eq!(find_strided_conflict(&slices, &[true; 3]), None);
+        let more = [cols(0, 4), cols(4, 8), cols(7, 9)];
+        assert_eq!(find_strided_conflict(&more, &[true; 3]), Some((1, 2)));
+        // A column of W and the transposed rows below it: only the ones that meet conflict.
+        let column = strided(0x1000, 4, &[(5, 16)]);
+        let row = strided(0x1000 + 16 * 4 + 4, 4, &[(15, 1)]);
+        assert_eq!(find_strided_conflict(&[column.clone(), row], &[true, true]), None);
+        let row0 = strided(0x1000 + 16 * 4, 4, &[(15, 1)]);
+        assert_eq!(find_strided_conflict(&[column, row0], &[true, false]), Some((0, 1)));
+        // Reads may overlap each other; the same tensor twice may not be written.
+        assert_eq!(find_strided_conflict(&[even.clone(), even.clone()], &[false, false]), None);
+        assert_eq!(find_strided_conflict(&[even.clone(), even.clone()], &[true, false]), Some((0, 1)));
+        // An expanded view (stride 0) overlaps itself; empty views never conflict.
+        let expanded = strided(0x1000, 4, &[(3, 0), (4, 1)]);
+        assert_eq!(find_strided_conflict(std::slice::from_ref(&expanded), &[true]), Some((0, 0)));
+        assert_eq!(find_strided_conflict(&[expanded], &[false]), None);
+        assert_eq!(find_strided_conflict(&[strided(0x1000, 4, &[(0, 1)]), odd], &[true, true]), None);
+        // Mixed element sizes: an f32 and the bf16 view of its upper half share bytes.
+        let f32_view = strided(0x1000, 4, &[(4, 2)]);
+        let bf16_upper = strided(0x1002, 2, &[(1, 1)]);
+        assert_eq!(find_strided_conflict(&[f32_view.clone(), bf16_upper], &[true, true]), Some((0, 1)));
+        let bf16_gap = strided(0x1004, 2, &[(2, 1)]);
+        assert_eq!(find_strided_conflict(&[f32_view, bf16_gap], &[true, true]), None);
+    }
+
+    #[test]
+    fn top_ends_keep_the_furthest_run_of_another_owner() {
+        let mut top = TopEnds::default();
+        for (end, owner) in [(10, 0), (5, 1), (8, 2), (12, 0), (7, 1)] {
+            top.push(end, owner);
+        }
+        // Owner 0 holds the furthest end (12); among the others owner 2 reaches furthest (8).
+        assert_eq!(top.other_past(6, 0), Some(2));
+        assert_eq!(top.other_past(8, 0), None);
+        assert_eq!(top.other_past(11, 1), Some(0));
+        assert_eq!(top.other_past(12, 2), None);
+    }
+
+    #[test]
+    fn strided_conflicts_match_brute_force() {
+        let mut seed = 0x9E3779B97F4A7C15u64;
+        let mut next = |m: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % m) as usize
+        };
+        for _ in 0..6000 {
+            let n = next(6) + 1;
+            let views: Vec<Strided> = (0..n)
+                .map(|_| {
+                    let itemsize = [2, 4, 8][next(3)];
+                    let ndim = next(3) + 1;
+                    // Element-aligned offsets into a small buffer; arbitrary strides, as_strided
+                    // interleavings and zero strides included.
+                    let dims: Vec<(usize, usize)> = (0..ndim).map(|_| (next(4), next(7))).collect();
+                    strided(0x1000 + next(24) * 2, itemsize, &dims)
+                })
+                .collect();
+            let written: Vec<bool> = (0..n).map(|_| next(3) != 0).collect();
+            let bytes: Vec<Vec<(usize, usize)>> = views.iter().map(element_bytes).collect();
+            let brute = (0..n).any(|i| {
+                (written[i] && self_overlaps(&bytes[i]))
+                    || (i + 1..n).any(|j| (written[i] || written[j]) && share_a_byte(&bytes[i], &bytes[j]))
+            });
+            let found = find_strided_conflict(&views, &written);
+            assert_eq!(found.is_some(), brute, "{views:?} written {written:?}");
+            match found {
+                Some((i, j)) if i == j => assert!(written[i] && self_overlaps(&bytes[i])),
+                Some((i, j)) => {
+                    assert!(i < j && (written[i] || written[j]) && share_a_byte(&bytes[i], &bytes[j]))
+                }
+                None => {}
             }
         }
     }

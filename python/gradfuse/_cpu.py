@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import _rust
+from . import _rust, ops
 from ._plan import DTYPE_CODES, Plan, nonfinite_total_error
 
 _OPENMP_ENTRY_POINTS = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_get_max_threads")
@@ -25,9 +25,11 @@ def _use_torchs_threads() -> bool:
     beside them shares the cores with spinning threads (a norm run right after a torch op
     took 1.7x as long, see rust/parallel.rs). Work handed to torch's team runs on the threads
     already spinning, and follows ``torch.set_num_threads``. Without OpenMP in torch (or
-    without the entry points in the process), the kernels keep rayon's pool.
+    without the entry points in the process, or in a child made by os.fork()), the kernels
+    keep rayon's pool.
     """
-    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+    if ops.forked_child or "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        # A forked child's OpenMP team is the parent's, whose threads it does not have.
         return False
     try:
         process = ctypes.CDLL(None)  # every symbol loaded globally: torch's OpenMP runtime's
@@ -59,12 +61,16 @@ def norm(plan: Plan, norm_type: float, per_tensor: bool):
 
 
 def scale_(plan: Plan, scale: torch.Tensor) -> None:
-    _rust.scale_(_tensor_list(plan), scale.item())
+    tl = _tensor_list(plan)
+    plan.before_write()
+    _rust.scale_(tl, scale.item())
 
 
 def clip_grads_with_norm_(plan: Plan, max_norm: float, total_norm: torch.Tensor) -> None:
     coef = _rust.clip_coef(total_norm.item(), max_norm, DTYPE_CODES[total_norm.dtype])
-    _rust.scale_(_tensor_list(plan), coef)
+    tl = _tensor_list(plan)
+    plan.before_write()
+    _rust.scale_(tl, coef)
 
 
 def clip_grad_norm_(plan: Plan, max_norm: float, norm_type: float, error_if_nonfinite: bool):
@@ -72,12 +78,15 @@ def clip_grad_norm_(plan: Plan, max_norm: float, norm_type: float, error_if_nonf
     total, _, value = _norm_into(plan, tl, norm_type, False)
     if error_if_nonfinite and not math.isfinite(value):
         raise nonfinite_total_error(norm_type)
+    plan.before_write()
     _rust.scale_(tl, _rust.clip_coef(value, max_norm, DTYPE_CODES[total.dtype]))
     return total
 
 
 def unscale_and_check_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-    if _rust.unscale_and_check_(_tensor_list(plan), inv_scale.item()):
+    tl = _tensor_list(plan)
+    plan.before_write(found_inf)
+    if _rust.unscale_and_check_(tl, inv_scale.item()):
         found_inf.fill_(1.0)
 
 
@@ -121,6 +130,7 @@ def unscale_and_clip_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tens
     out = plan.out_dtype
     total = torch.empty((), dtype=out)
     unscale_now = not (_CLIPPED_LAST.get(key, True) or not _power_of_two(inv) or _FP16 in plan.codes)
+    plan.before_write(found_inf)
     value, found = _rust.unscale_check_norm(tl, inv, norm_type, total.data_ptr(), DTYPE_CODES[out], unscale_now)
     coef = _rust.clip_coef(value, max_norm, DTYPE_CODES[out])
     _rust.scale_(tl, coef if unscale_now else inv * coef)
@@ -133,8 +143,12 @@ def unscale_and_clip_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tens
 
 
 def accumulate_(dst: Plan, src: Plan, alpha: float) -> None:
-    _rust.accumulate_(_tensor_list(dst), _tensor_list(src), alpha)
+    d, s = _tensor_list(dst), _tensor_list(src)
+    dst.before_write()
+    _rust.accumulate_(d, s, alpha)
 
 
 def clamp_(plan: Plan, lo: float, hi: float) -> None:
-    _rust.clamp_(_tensor_list(plan), lo, hi)
+    tl = _tensor_list(plan)
+    plan.before_write()
+    _rust.clamp_(tl, lo, hi)

@@ -10,6 +10,7 @@ attribute costs ~100 us, so the plan reads as few as it can (measured on the CI 
 from __future__ import annotations
 
 import math
+from collections import deque
 from operator import attrgetter
 
 import torch
@@ -28,12 +29,30 @@ SUPPORTED = "float32, float64, float16 and bfloat16"
 
 _dtype = attrgetter("dtype")
 _layout = attrgetter("layout")
+_version = attrgetter("_version")
 
 
 class UnsupportedTensorError(TypeError):
     """A tensor gradfuse's kernels cannot run (complex or integer dtype, sparse or other
-    non-strided layout). Raised before anything is modified; the drop-in clipping functions
-    catch it and hand the whole call to torch."""
+    non-strided layout, memory not aligned to the element size). Raised before anything is
+    modified; the drop-in clipping functions catch it and hand the whole call to torch."""
+
+
+class MixedDevicesError(ValueError):
+    """Tensors of one list argument on different devices. Raised before anything is modified;
+    the drop-in clipping functions, which try one device first, then group by device."""
+
+
+class OverlapError(ValueError):
+    """In-place targets that share memory with each other or with the call's inputs (the same
+    tensor twice, overlapping views of one buffer). Raised before anything is modified. The
+    fused ops refuse such calls; the drop-in clipping functions hand them to torch, whose
+    element-by-element semantics define what aliasing does."""
+
+
+class InternalOverlapError(OverlapError, RuntimeError):
+    """One in-place target whose own elements share memory (as after ``expand()``). Also a
+    RuntimeError, as torch's error for writing such a tensor is."""
 
 
 class Plan:
@@ -44,9 +63,9 @@ class Plan:
     such original with its copy, to be copied back after an in-place op).
     """
 
-    __slots__ = ("addrs", "codes", "device", "inplace", "name", "numels", "tensors", "writeback")
+    __slots__ = ("addrs", "codes", "copied", "device", "inplace", "name", "numels", "originals", "tensors", "writeback")
 
-    def __init__(self, name, tensors, device, addrs, numels, codes, writeback, inplace):
+    def __init__(self, name, tensors, device, addrs, numels, codes, writeback, inplace, originals=None):
         self.name = name
         self.inplace = inplace
         self.tensors = tensors
@@ -55,6 +74,9 @@ class Plan:
         self.numels = numels
         self.codes = codes
         self.writeback = writeback
+        #: The caller's tensors; ``copied``: some of ``tensors`` are contiguous copies of them.
+        self.originals = tensors if originals is None else originals
+        self.copied = self.originals is not tensors
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -64,6 +86,14 @@ class Plan:
         """Dtype of norms of these tensors: float64 if any is float64, else float32."""
         return torch.float64 if 1 in self.codes else torch.float32
 
+    def before_write(self, *others: Tensor) -> None:
+        """Called by a backend right before its first write (after any read pass and its
+        errors, as torch orders them): refuses inference tensors among the targets (and
+        ``others``, further tensors the call writes) as torch does, with nothing modified."""
+        check_writable(self.originals)
+        if others:
+            check_writable(others)
+
     def finish_inplace(self, originals: list[Tensor]) -> None:
         """After an in-place kernel: copy results into non-dense originals, bump versions."""
         for orig, work in self.writeback:
@@ -72,14 +102,38 @@ class Plan:
 
 
 def bump_versions(tensors: list[Tensor]) -> None:
-    """Tell autograd the tensors were modified in place (one C++ call for the whole list).
-
-    Inference tensors have no version counter and are skipped. torch itself refuses in-place
-    writes to them outside inference mode; checking for that costs ~140 us per call at 2000
-    tensors (measured) and gradients are never inference tensors, so gradfuse does not.
-    """
-    if tensors and not torch.is_inference_mode_enabled():
+    """Tell autograd the tensors were modified in place (one C++ call for the whole list), in
+    inference mode too, as torch's in-place ops do (inference tensors have no counter: skipped)."""
+    if tensors:
         torch._C._increment_version(tensors)
+
+
+def check_writable(tensors) -> None:
+    """torch's rule: outside inference mode an inference tensor cannot be updated in place.
+
+    Reading ``_version`` is the cheapest per-tensor probe there is (a C-level attribute, no
+    argument parsing: ~50 ns, where ``is_inference()`` takes ~70 ns and a per-tensor Python
+    loop ~150 ns), and it raises exactly for tensors without a version counter: inference
+    tensors. torch itself checks only after writing; here nothing has been written yet.
+    """
+    if torch.is_inference_mode_enabled():
+        return
+    try:
+        deque(map(_version, tensors), maxlen=0)
+    except RuntimeError:
+        raise _inference_update_error() from None
+
+
+def _inference_update_error() -> RuntimeError:
+    """torch's own error for an in-place update of an inference tensor, raised by torch on an
+    empty one (so the message is the installed torch's)."""
+    with torch.inference_mode():
+        probe = torch.empty(0)
+    try:
+        probe.zero_()
+    except RuntimeError as e:
+        return e
+    return RuntimeError("Inplace update to inference tensor outside InferenceMode is not allowed.")
 
 
 def is_dense(t: Tensor) -> bool:
@@ -94,28 +148,21 @@ def is_dense(t: Tensor) -> bool:
     return True
 
 
-def span_bytes(t: Tensor) -> int:
-    """Bytes from the first element of ``t`` to the end of its last one (0 when empty)."""
-    if t.numel() == 0:
-        return 0
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return (last + 1) * t.element_size()
-
-
-def check_dtypes(op: str, name: str, tensors: list[Tensor]) -> list[int]:
-    """The dtype code of every tensor (one C-level pass when they share a dtype, the usual case)."""
+def check_dtypes(op: str, name: str, tensors: list[Tensor]) -> bytes:
+    """The dtype code of every tensor, one byte each (one C-level pass when they share a dtype,
+    the usual case; bytes reach the Rust core without a conversion per element)."""
     dtypes = set(map(_dtype, tensors))
     if len(dtypes) == 1:
         code = DTYPE_CODES.get(next(iter(dtypes)))
         if code is not None:
-            return [code] * len(tensors)
+            return bytes((code,)) * len(tensors)
     codes = list(map(DTYPE_CODES.get, map(_dtype, tensors)))
     if None in codes:
         i = codes.index(None)
         raise UnsupportedTensorError(
             f"{op}: {name}[{i}] has dtype {tensors[i].dtype}; gradfuse works on {SUPPORTED} tensors"
         )
-    return codes
+    return bytes(codes)
 
 
 def check_layouts(op: str, name: str, tensors: list[Tensor]) -> None:
@@ -142,7 +189,7 @@ def check_device(
     for i, t in enumerate(tensors):
         if t.device != first:
             where = f"{name}[0] is on {first}" if device is None else f"the call is on {first}"
-            raise ValueError(
+            raise MixedDevicesError(
                 f"{op}: {name}[{i}] is on {t.device} but {where}; one call takes tensors on one device "
                 "(gradfuse.clip_grad_norm_ and friends group by device for you)"
             )
@@ -159,7 +206,7 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
     tensors = list(tensors)
     codes = check_dtypes(op, name, tensors)
     if not tensors:
-        return Plan(name, tensors, device, [], [], [], [], inplace)
+        return Plan(name, tensors, device, [], [], b"", [], inplace)
     device = check_device(op, name, tensors, device)
     writeback = []
     try:
@@ -168,39 +215,92 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
         # Sparse and other non-strided layouts have no strides to ask about.
         check_layouts(op, name, tensors)
         raise
+    originals = tensors
     if not contiguous:
         check_layouts(op, name, tensors)
         tensors, writeback = _densify(op, name, tensors, inplace, dense_ok)
     addrs = list(map(Tensor.data_ptr, tensors))
     numels = list(map(Tensor.numel, tensors))
-    return Plan(name, tensors, device, addrs, numels, codes, writeback, inplace)
+    return Plan(name, tensors, device, addrs, numels, codes, writeback, inplace, originals)
 
 
 def _densify(op: str, name: str, tensors: list[Tensor], inplace: bool, dense_ok: bool):
-    work = list(tensors)
-    writeback = []
+    """Contiguous copies of the tensors whose elements are not one dense block (the others are
+    used as they are: ``tensors`` itself when there is no copy) and, for in-place targets, the
+    ``(original, copy)`` pairs to copy back."""
+    to_copy = []
     for i, t in enumerate(tensors):
         if t.is_contiguous() or t.numel() == 0:
             continue
         if inplace and torch._debug_has_internal_overlap(t) == 1:
-            raise RuntimeError(
-                f"{op}: {name}[{i}] has internal overlap (several of its elements share memory, as after "
-                "expand()); it cannot be written in place"
-            )
+            raise InternalOverlapError(internal_overlap_message(op, name, i))
         if not (dense_ok and is_dense(t)):
-            work[i] = t.contiguous()
-            if inplace:
-                writeback.append((t, work[i]))
-    if writeback:
-        # The copies never overlap anything; the originals they are copied back into might.
-        starts = list(map(Tensor.data_ptr, tensors))
-        ends = [s + span_bytes(t) for s, t in zip(starts, tensors, strict=True)]
-        hit = _rust().find_overlap(starts, ends, [True] * len(tensors))
-        if hit is not None:
-            raise ValueError(
-                f"{op}: {name}[{hit[0]}] and {name}[{hit[1]}] overlap in memory; in-place targets must not overlap"
-            )
+            to_copy.append(i)
+    if not to_copy:
+        return tensors, []
+    if inplace:
+        # The copies will overlap nothing; the originals they are copied back into might.
+        # Checked first, so that a refused call (or one handed to torch) copies nothing.
+        check_disjoint(op, name, tensors)
+    work = list(tensors)
+    for i in to_copy:
+        work[i] = tensors[i].contiguous()
+    writeback = [(tensors[i], work[i]) for i in to_copy] if inplace else []
     return work, writeback
+
+
+def internal_overlap_message(op: str, name: str, i: int) -> str:
+    return (
+        f"{op}: {name}[{i}] has internal overlap (several of its elements share memory, as after "
+        "expand()); it cannot be written in place"
+    )
+
+
+def check_disjoint(
+    op: str, name: str, targets: list[Tensor], src_name: str | None = None, sources: list[Tensor] | None = None
+) -> None:
+    """Raises OverlapError if two in-place ``targets`` share an element, or a target shares one
+    with a source other than its own pair (``sources[i] is targets[i]``-like views are fine:
+    ``dst[i] += src[i]`` reads each element before writing it). Exact for any strided layout
+    (the Rust core's test: spans, then arithmetic, then elements), so views that merely
+    interleave, such as the column slices ``W[:, 0:4]`` and ``W[:, 4:8]``, pass."""
+    views = list(targets)
+    written = [True] * len(views)
+    owners = [(name, i) for i in range(len(views))]
+    for i, s in enumerate(sources or ()):
+        t = targets[i]
+        if s.data_ptr() == t.data_ptr() and s.dtype == t.dtype and s.shape == t.shape and s.stride() == t.stride():
+            continue
+        views.append(s)
+        written.append(False)
+        owners.append((src_name, i))
+    hit = _rust().find_strided_overlap(
+        list(map(Tensor.data_ptr, views)),
+        list(map(Tensor.element_size, views)),
+        list(map(Tensor.size, views)),
+        list(map(Tensor.stride, views)),
+        written,
+    )
+    if hit is None:
+        return
+    (a_name, a), (b_name, b) = owners[hit[0]], owners[hit[1]]
+    if hit[0] == hit[1]:
+        raise InternalOverlapError(internal_overlap_message(op, a_name, a))
+    raise OverlapError(
+        f"{op}: {a_name}[{a}] and {b_name}[{b}] overlap in memory; in-place targets must not overlap each other "
+        "or their inputs"
+    )
+
+
+def check_aligned(op: str, name: str, tensors: list[Tensor]) -> None:
+    """UnsupportedTensorError for a tensor whose data is not aligned to its element size (the
+    Rust core's own check, for callers that must know before any kernel of a call runs)."""
+    for i, t in enumerate(tensors):
+        if t.data_ptr() % t.element_size():
+            raise UnsupportedTensorError(
+                f"{op}: {name}[{i}] starts at address {t.data_ptr():#x}, which is not aligned to its element "
+                f"size {t.element_size()}"
+            )
 
 
 def _rust():

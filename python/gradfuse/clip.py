@@ -4,16 +4,24 @@ Same signatures and semantics as torch's (torch's own tests are the reference), 
 differences, both on purpose: every norm accumulates in float32 (float64 for float64
 gradients), so the returned total of a bf16/fp16 model is a float32 tensor accurate to fp32;
 and a negative or NaN ``max_norm``/``clip_value`` raises ``ValueError`` instead of flipping or
-poisoning every gradient. Gradients gradfuse cannot run (sparse, complex, tensor subclasses
-such as DTensor, devices other than CPU and CUDA) are handed to torch, which answers.
+poisoning every gradient. Calls gradfuse cannot run are handed to torch, which answers: sparse,
+complex, tensor-subclass (DTensor) or unaligned gradients, devices other than CPU and CUDA, and
+gradients that alias each other in memory (the same parameter twice, one gradient tensor shared
+by two parameters, overlapping views), where torch's element-by-element updates define the
+result. The kernels find all of these before anything is modified.
+
+Gradients that are the views of a live ``GradBuckets`` run over its few flat buffers; DTensor
+gradients (FSDP2, tensor parallel) with ``Shard``/``Replicate`` placements run over their local
+shards with one all-reduce per mesh; ``process_group=`` combines shards held by several ranks.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import types
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.utils
@@ -34,6 +42,8 @@ _TORCH = {
 }
 _PLAIN = frozenset({Tensor, torch.nn.Parameter})
 _DEVICES = frozenset({"cpu", "cuda"})
+#: What the ops raise, before modifying anything, for calls that torch must answer.
+_TORCHS = (P.UnsupportedTensorError, P.OverlapError)
 
 
 def _parameters(parameters: _TensorOrTensors, warn_empty_generator: bool) -> list[Tensor]:
@@ -53,17 +63,21 @@ def _grads(parameters: list[Tensor]) -> list[Tensor]:
     return [g for p in parameters if (g := p.grad) is not None]
 
 
-def _fused_groups(tensors: list[Tensor]) -> dict[torch.device, list[Tensor]] | None:
+def _fused_groups(tensors: list[Tensor], one_device: bool) -> dict[torch.device, list[Tensor]] | None:
     """Tensors grouped by device in order of first appearance (the first device holds the
     total), or None when gradfuse leaves them to torch: tensor subclasses (DTensor, ...) and
     devices other than CPU and CUDA. Unsupported dtypes and layouts are found by the ops
-    themselves (``UnsupportedTensorError``, raised before anything is modified)."""
-    if torch.compiler.is_compiling():
+    themselves (``UnsupportedTensorError``, raised before anything is modified).
+
+    ``one_device``: assume every tensor is on the first one's device, unchecked (see
+    :func:`_run_fused`)."""
+    compiling = torch.compiler.is_compiling()
+    if compiling:
         if any(t.layout != torch.strided or t.dtype not in P.DTYPE_CODES for t in tensors):
             return None
     elif not set(map(type, tensors)) <= _PLAIN:
         return None
-    if not torch.compiler.is_compiling() and len(set(map(Tensor.get_device, tensors))) == 1:
+    if one_device and not compiling:
         groups = {tensors[0].device: tensors}
     else:
         groups = {}
@@ -74,13 +88,51 @@ def _fused_groups(tensors: list[Tensor]) -> dict[torch.device, list[Tensor]] | N
     return groups
 
 
+#: What :func:`_run_fused` returns when the call must go to torch.
+_TO_TORCH = object()
+
+
+def _run_fused(tensors: list[Tensor], run: Callable[[dict[torch.device, list[Tensor]]], object]) -> object:
+    """``run(groups)`` on gradfuse's kernels (``groups`` as :func:`_fused_groups` makes them), or
+    ``_TO_TORCH`` when torch must answer the call; nothing has been modified then.
+
+    One device is tried first, unchecked: the ops check that all their tensors are on one
+    device before anything runs (``MixedDevicesError``, or the dispatcher's NotImplementedError
+    for a device gradfuse has no kernel for), so checking here as well would read every tensor's
+    device twice (~90 us at 2000 tensors, measured). A list that spans devices is then grouped
+    and run again."""
+    groups = _fused_groups(tensors, one_device=True)
+    try:
+        with torch.no_grad():
+            if groups is not None:
+                try:
+                    return run(groups)
+                except (P.MixedDevicesError, NotImplementedError):
+                    groups = _fused_groups(tensors, one_device=False)
+                    if groups is not None:
+                        return run(groups)
+    except _TORCHS:
+        pass
+    return _TO_TORCH
+
+
 def _check_all(groups: dict[torch.device, list[Tensor]]) -> None:
-    """Before a call that launches once per device: find unsupported tensors on every device
-    first, so that no device's gradients are modified when another's must go to torch."""
+    """Before a call that launches once per device: find on every device first what would send
+    the call to torch (unsupported or unaligned tensors, aliasing gradients), so that no
+    device's gradients are modified when another's must go to torch."""
     if len(groups) > 1:
         for group in groups.values():
             P.check_dtypes("gradfuse", "grads", group)
             P.check_layouts("gradfuse", "grads", group)
+            P.check_aligned("gradfuse", "grads", group)
+            P.check_disjoint("gradfuse", "grads", group)
+
+
+def _check_writable_all(groups: dict[torch.device, list[Tensor]]) -> None:
+    """Right before the first device's write: torch's inference-tensor rule on every device."""
+    if len(groups) > 1:
+        for group in groups.values():
+            P.check_writable(group)
 
 
 def _combine_totals(totals: list[Tensor], norm_type: float) -> Tensor:
@@ -107,10 +159,26 @@ def _is_dtensor(tensors: list[Tensor]) -> bool:
     return type(tensors[0]) not in _PLAIN and D.is_dtensor(tensors[0])
 
 
+def _local_norm(shards: list[Tensor], norm_type: float, device: torch.device) -> Tensor | None:
+    """The norm of this rank's ``shards``, to be combined with the other ranks'. An empty shard
+    adds nothing (a rank may hold none of a small tensor), so empty ones are left out; with none
+    left the result is the combine's identity. None when torch must answer."""
+    nonempty = [t for t in shards if t.numel()]
+    if not nonempty:
+        return D.norm_of_nothing(norm_type, device)
+    total = _run_fused(nonempty, lambda groups: _total_norm(groups, norm_type, False))
+    return None if total is _TO_TORCH else total
+
+
+def _nonzero_counts(groups: dict[torch.device, list[Tensor]]) -> Tensor:
+    first = next(iter(groups))
+    return torch.cat([torch.ops.gradfuse.multi_tensor_norm(g, 0.0, True)[1].to(first) for g in groups.values()])
+
+
 def _dtensor_total(tensors: list[Tensor], norm_type: float) -> Tensor | None:
-    """The total norm of DTensor gradients (FSDP2, tensor parallel) as torch gives it (a
-    replicated DTensor), from their local shards through the fused kernels and one all-reduce
-    per set of sharded mesh dimensions; None when torch must answer."""
+    """The total norm of DTensor gradients as torch gives it (a replicated DTensor), from their
+    local shards through the fused kernels and one all-reduce per set of sharded mesh
+    dimensions; None when torch must answer."""
     spec = D.dtensor_locals(tensors)
     if spec is None:
         return None
@@ -120,9 +188,9 @@ def _dtensor_total(tensors: list[Tensor], norm_type: float) -> Tensor | None:
         groups = [mesh.get_group(d) for d in dims]
         if norm_type == 0:
             # Order 0 counts a tensor once however it is sharded: its non-zero elements, summed.
-            if _fused_groups(shards) is None:
+            counts = _run_fused(shards, _nonzero_counts)
+            if counts is _TO_TORCH:
                 return None
-            counts = torch.ops.gradfuse.multi_tensor_norm(shards, 0.0, True)[1]
             totals.append(D.count_nonzero_across(counts, groups))
             continue
         local = _local_norm(shards, norm_type, torch.device(mesh.device_type))
@@ -130,22 +198,6 @@ def _dtensor_total(tensors: list[Tensor], norm_type: float) -> Tensor | None:
             return None
         totals.append(D.combine_norm(local, norm_type, groups))
     return D.as_replicated(_combine_totals(totals, norm_type), mesh)
-
-
-def _local_norm(shards: list[Tensor], norm_type: float, device: torch.device) -> Tensor | None:
-    """The norm of this rank's ``shards``, to be combined with the other ranks'. An empty shard
-    adds nothing (a rank may hold none of a small tensor), so empty ones are left out; with none
-    left the result is the combine's identity. None when torch must answer."""
-    nonempty = [t for t in shards if t.numel()]
-    if not nonempty:
-        return D.norm_of_nothing(norm_type, device)
-    groups = _fused_groups(nonempty)
-    if groups is None:
-        return None
-    try:
-        return _total_norm(groups, norm_type, False)
-    except P.UnsupportedTensorError:
-        return None
 
 
 def get_total_norm(
@@ -172,20 +224,18 @@ def get_total_norm(
     owner = owner_of(tensors) if norm_type > 0 else None
     if owner is not None:
         return owner.get_total_norm(norm_type, error_if_nonfinite)
-    with torch.no_grad():
-        total = _dtensor_total(tensors, norm_type) if _is_dtensor(tensors) else None
-        if total is None:
-            groups = _fused_groups(tensors)
-            if groups is not None:
-                try:
-                    return _total_norm(groups, norm_type, error_if_nonfinite)
-                except P.UnsupportedTensorError:
-                    pass
-    if total is None:
-        return _TORCH["get_total_norm"](tensors, norm_type, error_if_nonfinite, foreach)
-    if error_if_nonfinite and not torch.isfinite(total.to_local()):
-        raise P.nonfinite_total_error(norm_type)
-    return total
+    if _is_dtensor(tensors):
+        with torch.no_grad():
+            total = _dtensor_total(tensors, norm_type)
+        if total is not None:
+            if error_if_nonfinite and not torch.isfinite(total.to_local()):
+                raise P.nonfinite_total_error(norm_type)
+            return total
+    else:
+        total = _run_fused(tensors, lambda groups: _total_norm(groups, norm_type, error_if_nonfinite))
+        if total is not _TO_TORCH:
+            return total
+    return _TORCH["get_total_norm"](tensors, norm_type, error_if_nonfinite, foreach)
 
 
 def _total_across(tensors: list[Tensor], norm_type: float, error_if_nonfinite: bool, foreach, group) -> Tensor:
@@ -218,30 +268,42 @@ def clip_grads_with_norm_(
     _scale_grads(parameters, _grads(parameters), max_norm, total_norm, foreach)
 
 
-def _scale_grads(parameters: list[Tensor], grads: list[Tensor], max_norm: float, total: Tensor, foreach) -> None:
+def _scale_grads(parameters: list[Tensor], grads: list[Tensor], max_norm: float, total_norm, foreach) -> None:
     """The scale pass of clipping, on whatever holds the gradients: a GradBuckets' buffers,
     DTensors' local shards, the gradients themselves (per device), or torch."""
     if not grads:
         return
     owner = owner_of(grads)
+    targets, local_total = grads, total_norm
     if owner is not None:
         targets = owner.buffers
     elif _is_dtensor(grads) and (spec := D.dtensor_locals(grads)) is not None:
         targets = [t for shards in spec[1].values() for t in shards]
-        total = total.to_local() if D.is_dtensor(total) else total
-    else:
-        targets = grads
-    groups = _fused_groups(targets) if targets else {}
-    if groups is not None:
-        try:
-            with torch.no_grad():
-                _check_all(groups)
-                for device, group in groups.items():
-                    torch.ops.gradfuse.clip_grads_with_norm_(group, max_norm, total.to(device, non_blocking=True))
-            return
-        except P.UnsupportedTensorError:
-            pass
-    _TORCH["clip_grads_with_norm_"](parameters, max_norm, total, foreach)
+        local_total = total_norm.to_local() if D.is_dtensor(total_norm) else total_norm
+    total = _fused_total(local_total)
+
+    def run(groups):
+        _check_all(groups)
+        _check_writable_all(groups)
+        for device, group in groups.items():
+            torch.ops.gradfuse.clip_grads_with_norm_(group, max_norm, total.to(device, non_blocking=True))
+
+    if total is None or _run_fused(targets, run) is _TO_TORCH:
+        _TORCH["clip_grads_with_norm_"](parameters, max_norm, total_norm, foreach)
+
+
+def _fused_total(total_norm) -> Tensor | None:
+    """``total_norm`` as the fused op takes it, or None where torch must decide: torch
+    multiplies the gradients by the 0-d ``clamp(max_norm / (total_norm + 1e-6), max=1)``, so it
+    refuses other shapes (its foreach path does; its per-tensor path may broadcast) and lifts
+    an integer or bool total to the default float dtype by type promotion, as done here."""
+    if not isinstance(total_norm, Tensor) or type(total_norm) not in _PLAIN or total_norm.dim() != 0:
+        return None
+    if total_norm.dtype in P.DTYPE_CODES:
+        return total_norm
+    if total_norm.is_floating_point() or total_norm.is_complex():
+        return None
+    return total_norm.to(torch.get_default_dtype())
 
 
 def clip_grad_norm_(
@@ -266,21 +328,29 @@ def clip_grad_norm_(
     grads = _grads(parameters)
     max_norm = check_max_norm("gradfuse.clip_grad_norm_", max_norm)
     norm_type = P.check_norm_type("gradfuse.clip_grad_norm_", norm_type)
-    if process_group is None and not grads:
-        return torch.tensor(0.0)
-    owner = owner_of(grads) if norm_type > 0 and process_group is None else None
-    if owner is not None:
-        return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
-    groups = None if process_group is not None or _is_dtensor(grads) else _fused_groups(grads)
-    if groups is not None and len(groups) == 1:
-        try:
-            with torch.no_grad():
-                return torch.ops.gradfuse.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
-        except P.UnsupportedTensorError:
-            pass
-    elif groups is None and process_group is None and not _is_dtensor(grads):
-        return _TORCH["clip_grad_norm_"](parameters, max_norm, norm_type, error_if_nonfinite, foreach)
-    # Several devices, DTensors, shards across a process group: the total, then the scale pass.
+    if process_group is None:
+        if not grads:
+            return torch.tensor(0.0)
+        owner = owner_of(grads) if norm_type > 0 else None
+        if owner is not None:
+            return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        if not _is_dtensor(grads):
+
+            def run(groups):
+                if len(groups) == 1:
+                    return torch.ops.gradfuse.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
+                _check_all(groups)
+                total = _total_norm(groups, norm_type, error_if_nonfinite)
+                _check_writable_all(groups)
+                for device, group in groups.items():
+                    torch.ops.gradfuse.clip_grads_with_norm_(group, max_norm, total.to(device, non_blocking=True))
+                return total
+
+            total = _run_fused(grads, run)
+            if total is not _TO_TORCH:
+                return total
+            return _TORCH["clip_grad_norm_"](parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    # DTensors, or shards across a process group: the total, then the scale pass.
     total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach, process_group=process_group)
     _scale_grads(parameters, grads, max_norm, total, foreach)
     return total
@@ -312,17 +382,15 @@ def clip_grad_value_(parameters: _TensorOrTensors, clip_value: float, foreach: b
     grads = _grads(parameters)
     if not grads:
         return
-    groups = _fused_groups(grads)
-    if groups is not None:
-        try:
-            with torch.no_grad():
-                _check_all(groups)
-                for group in groups.values():
-                    torch.ops.gradfuse.clamp_(group, -clip_value, clip_value)
-            return
-        except P.UnsupportedTensorError:
-            pass
-    _TORCH["clip_grad_value_"](parameters, clip_value, foreach)
+
+    def run(groups):
+        _check_all(groups)
+        _check_writable_all(groups)
+        for group in groups.values():
+            torch.ops.gradfuse.clamp_(group, -clip_value, clip_value)
+
+    if _run_fused(grads, run) is _TO_TORCH:
+        _TORCH["clip_grad_value_"](parameters, clip_value, foreach)
 
 
 _REPLACEMENTS = {
@@ -332,8 +400,15 @@ _REPLACEMENTS = {
     "get_total_norm": get_total_norm,
     "clip_grads_with_norm_": clip_grads_with_norm_,
 }
-# torch.nn.utils.clip_grad names the last two privately.
-_MODULE_NAMES = {"get_total_norm": "_get_total_norm", "clip_grads_with_norm_": "_clip_grads_with_norm_"}
+# Only public names are replaced. torch.nn.utils.clip_grad also holds get_total_norm and
+# clip_grads_with_norm_ under private names, which its clip_grad_norm_ calls: left alone, they
+# keep a call that gradfuse hands to torch (aliasing gradients, say) torch's own end to end.
+
+
+_PATCH_LOCK = threading.Lock()
+#: patch_torch objects in force, and what the first of them replaced.
+_PATCHES: list[patch_torch] = []
+_SAVED: list[tuple[object, str, object]] = []
 
 
 class patch_torch:
@@ -341,29 +416,51 @@ class patch_torch:
 
     ``gradfuse.patch_torch()`` replaces ``torch.nn.utils.clip_grad_norm_``,
     ``clip_grad_norm``, ``clip_grad_value_``, ``get_total_norm`` and ``clip_grads_with_norm_``
-    (in ``torch.nn.utils`` and ``torch.nn.utils.clip_grad``), so a trainer that calls them
-    picks up the fused path unchanged. Used as a context manager, it restores torch's
+    (and the public ones of these in ``torch.nn.utils.clip_grad``), so a trainer that calls
+    them picks up the fused path unchanged. Used as a context manager, it restores torch's
     functions on exit; otherwise ``.restore()`` does.
+
+    Patches are counted: torch stays patched while any patch object is in force, and the
+    functions that were there before the first one come back when the last one is restored,
+    whatever the order. A patch object can be used again (``with p:`` re-applies it), and
+    restoring one twice is harmless.
     """
 
     def __init__(self) -> None:
-        self._saved: list[tuple[object, str, object]] = []
-        for name, fn in _REPLACEMENTS.items():
-            for module, attr in (
-                (torch.nn.utils, name),
-                (torch.nn.utils.clip_grad, _MODULE_NAMES.get(name, name)),
-            ):
-                if hasattr(module, attr):
-                    self._saved.append((module, attr, getattr(module, attr)))
-                    setattr(module, attr, fn)
+        self.apply()
+
+    @property
+    def active(self) -> bool:
+        """Whether this patch is in force."""
+        return any(p is self for p in _PATCHES)
+
+    def apply(self) -> None:
+        """Put this patch in force (nothing to do if it is)."""
+        with _PATCH_LOCK:
+            if self.active:
+                return
+            if not _PATCHES:
+                for name, fn in _REPLACEMENTS.items():
+                    for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+                        if hasattr(module, name):
+                            _SAVED.append((module, name, getattr(module, name)))
+                            setattr(module, name, fn)
+            _PATCHES.append(self)
 
     def restore(self) -> None:
-        """Put back the functions that were there when this patch was made."""
-        for module, attr, original in reversed(self._saved):
-            setattr(module, attr, original)
-        self._saved.clear()
+        """Withdraw this patch; when no other is in force, put back the functions that were
+        there before patching began."""
+        with _PATCH_LOCK:
+            if not self.active:
+                return
+            _PATCHES[:] = [p for p in _PATCHES if p is not self]
+            if not _PATCHES:
+                for module, attr, original in reversed(_SAVED):
+                    setattr(module, attr, original)
+                _SAVED.clear()
 
     def __enter__(self) -> patch_torch:
+        self.apply()
         return self
 
     def __exit__(self, *exc_info) -> None:

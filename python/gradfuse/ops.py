@@ -27,6 +27,20 @@ Tensor = torch.Tensor
 
 _LIB = torch.library.Library("gradfuse", "DEF")
 
+#: Whether this process was made by os.fork() from one that had imported gradfuse. Its CPU
+#: thread pools (torch's OpenMP team, rayon's pool) did not come along: the CPU backend then
+#: runs its loops on a pool of its own (rust/parallel.rs), also when first loaded after the fork.
+forked_child = False
+
+
+def _after_fork_in_child() -> None:
+    global forked_child
+    forked_child = True
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 def _backend(device: torch.device):
     choice = os.environ.get("GRADFUSE_BACKEND", "auto").lower()
@@ -292,6 +306,9 @@ def _acc_impl(dst: list[Tensor], src: list[Tensor], alpha: float) -> None:
     _check_pairs(dst, src)
     d = P.make_plan(_ACC, "dst", dst, inplace=True, dense_ok=False)
     s = P.make_plan(_ACC, "src", src, inplace=False, device=d.device, dense_ok=False)
+    if d.copied or s.copied:
+        # The backends see copies, which overlap nothing: compare what they stand for.
+        P.check_disjoint(_ACC, "dst", d.originals, "src", s.originals)
     _backend(d.device).accumulate_(d, s, float(alpha))
     d.finish_inplace(dst)
 

@@ -36,7 +36,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import _plan as P
-from .clip import _check_all, _combine_totals, _fused_groups
+from .clip import _TORCHS, _check_all, _combine_totals, _fused_groups
 from .ops import check_max_norm, multi_tensor_scale_, unscale_and_check_, unscale_and_clip_, unscale_check_norm
 
 Tensor = torch.Tensor
@@ -99,7 +99,7 @@ class GradScaler(torch.amp.GradScaler):
         grads = _optimizer_grads(optimizer)
         if not allow_fp16 and any(g.dtype == torch.float16 for g in grads):
             raise ValueError("Attempting to unscale FP16 gradients.")
-        groups = _fused_groups(grads) if grads else {}
+        groups = _fused_groups(grads, one_device=False) if grads else {}
         if groups is not None:
             try:
                 with torch.no_grad():
@@ -109,7 +109,7 @@ class GradScaler(torch.amp.GradScaler):
                         found[device] = found_inf.to(device, copy=True)
                         unscale_and_check_(group, inv_scale.to(device), found[device])
                     return found
-            except P.UnsupportedTensorError:  # sparse gradients and the like: torch's way
+            except _TORCHS:  # sparse gradients and the like: torch's way
                 pass
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
 
@@ -117,7 +117,7 @@ class GradScaler(torch.amp.GradScaler):
         """For an optimizer that unscales as it reads: only check, in a read-only pass."""
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         grads = _optimizer_grads(optimizer)
-        groups = _fused_groups(grads) if grads else {}
+        groups = _fused_groups(grads, one_device=False) if grads else {}
         if groups is None:
             return super()._check_inf_per_device(optimizer)
         try:
@@ -125,7 +125,7 @@ class GradScaler(torch.amp.GradScaler):
                 _check_all(groups)
                 one = torch.ones((), dtype=torch.float32, device=scale.device)
                 found = {device: unscale_check_norm(g, one.to(device))[1] for device, g in groups.items()}
-        except P.UnsupportedTensorError:
+        except _TORCHS:
             return super()._check_inf_per_device(optimizer)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
@@ -148,7 +148,7 @@ class GradScaler(torch.amp.GradScaler):
         norm_type = P.check_norm_type(op, norm_type)
         self._check_ready(optimizer)
         grads = _optimizer_grads(optimizer)
-        groups = _fused_groups(grads) if grads else None
+        groups = _fused_groups(grads, one_device=False) if grads else None
         if groups is None:
             return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type)
         first = next(iter(groups))
@@ -173,7 +173,7 @@ class GradScaler(torch.amp.GradScaler):
                     found = {first: torch.zeros((), dtype=torch.float32, device=first)}
                     total = unscale_and_clip_(groups[first], inv_scale, found[first], max_norm, norm_type)
                     grad_scale = None
-        except P.UnsupportedTensorError:
+        except _TORCHS:
             return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type)
         self._record(optimizer, found, grad_scale)
         return total
