@@ -44,21 +44,23 @@ from .measure import BenchError
 # --- step: clip + fused AdamW ----------------------------------------------------------------
 
 
-def assert_same_step(name: str, optimizer, reference, rtol: float) -> None:
+def assert_same_step(name: str, optimizer, reference, rtol: float, coef_rtol: float | None = None) -> None:
     """The weights and AdamW's first moments of two optimizers after one step. The moments
     carry the clipped gradients: one AdamW step moves each weight by ~lr whatever the
     gradient's scale, so the weights alone would not show a clip that was skipped. A weight
-    whose gradient is near AdamW's eps moves by an amount sensitive to the gradient's last
-    bit, so weights agree to a millionth of a step (atol), not to rtol."""
+    whose gradient is near AdamW's eps moves by an amount proportional to the gradient, whose
+    clip coefficient differs from torch's as the norms do (torch's fp32 norm of GPT-2's
+    embedding is off by ~2e-3), so weights agree to ``coef_rtol`` (default ``rtol``) of a
+    step in absolute terms: measured at full size, 1.9e-8 with a step of 1e-4."""
     ours, theirs = (opt.param_groups[0]["params"] for opt in (optimizer, reference))
     step = reference.param_groups[0]["lr"]
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         try:
-            torch.testing.assert_close(a.detach(), b.detach(), rtol=rtol, atol=1e-6 * step)
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=rtol, atol=(coef_rtol or rtol) * step)
         except AssertionError as err:
             raise BenchError(f"{name} weights after one step, tensor {i} of {len(theirs)}: {err}") from None
     moments = [[opt.state[p]["exp_avg"] for p in params] for opt, params in ((optimizer, ours), (reference, theirs))]
-    assert_lists_close(f"{name} exp_avg after one step", *moments, rtol)
+    assert_lists_close(f"{name} exp_avg after one step", *moments, coef_rtol or rtol)
 
 
 def _torch_step(s, max_norm: float):
@@ -131,7 +133,8 @@ class StepFamily(Family):
             raise BenchError(f"gradfuse returned norm {float(outs['gradfuse']):.9g}, the fp64 norm is {exact:.9g}")
         if not math.isclose(float(outs["gradfuse"]), float(outs["torch"]), rel_tol=RTOL_VS_TORCH[self.workload.dtype]):
             raise BenchError(f"gradfuse returned norm {float(outs['gradfuse']):.8g}, torch {float(outs['torch']):.8g}")
-        assert_same_step("gradfuse", buffers["gradfuse"].optimizer, buffers["torch"].optimizer, 1e-5)
+        coef_rtol = RTOL_VS_TORCH[self.workload.dtype]
+        assert_same_step("gradfuse", buffers["gradfuse"].optimizer, buffers["torch"].optimizer, 1e-5, coef_rtol)
 
 
 # --- trainer: a whole optimizer step ------------------------------------------------------------
