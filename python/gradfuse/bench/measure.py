@@ -143,7 +143,8 @@ class CudaDevice(Device):
 
 
 class BackgroundLoad:
-    """How much of the machine's CPU time other processes took while this one ran (Linux):
+    """How much of the machine's CPU time other processes took while this one (and the
+    processes it started and waited for) ran (Linux):
     a benchmark sharing its cores with another job measures that job too. ``fraction()`` is
     their share of all cores over the interval since construction, or None where unknown."""
 
@@ -158,7 +159,8 @@ class BackgroundLoad:
             return None
         ticks = os.sysconf("SC_CLK_TCK")
         busy = (sum(map(int, fields)) - int(fields[3]) - int(fields[4])) / ticks  # all but idle, iowait
-        return time.perf_counter(), busy, time.process_time()
+        own = os.times()  # this process and its finished children (the data-parallel ranks)
+        return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
 
     def fraction(self) -> float | None:
         end = self._sample()
