@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import inspect
 import os
 import pickle
 import sys
@@ -83,3 +84,20 @@ def run(module: str, names: list[str], world: int = 2, deadline: float = 240) ->
             per_rank.append(pickle.loads(path.read_bytes()) if path.exists() else {})
     missing = f"not run or not finished ({failure})" if failure else "not run"
     return {name: {r: per_rank[r].get(name, missing) for r in range(world)} for name in names}
+
+
+def scenarios_in(module) -> set[str]:
+    """The scenario functions a module defines: those taking ``(rank, world)``."""
+    return {
+        name
+        for name, fn in vars(module).items()
+        if inspect.isfunction(fn)
+        and fn.__module__ == module.__name__
+        and list(inspect.signature(fn).parameters) == ["rank", "world"]
+    }
+
+
+def assert_passed(per_rank: dict[int, str | None]) -> None:
+    """Fails with every rank's traceback unless the scenario passed on all of them."""
+    errors = {rank: err for rank, err in per_rank.items() if err is not None}
+    assert not errors, "\n".join(f"--- rank {rank}:\n{err}" for rank, err in errors.items())

@@ -4,8 +4,6 @@ of two processes, each reported here as its own test."""
 
 from __future__ import annotations
 
-import inspect
-
 import multiprocess
 import pytest
 import torch.distributed as dist
@@ -29,17 +27,9 @@ def results():
 
 
 def test_every_scenario_is_listed():
-    defined = {
-        name
-        for name, fn in vars(train_dist_scenarios).items()
-        if inspect.isfunction(fn)
-        and fn.__module__ == "train_dist_scenarios"
-        and list(inspect.signature(fn).parameters) == ["rank", "world"]
-    }
-    assert defined == set(SCENARIOS)
+    assert multiprocess.scenarios_in(train_dist_scenarios) == set(SCENARIOS)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_two_ranks(results, name):
-    errors = {rank: err for rank, err in results[name].items() if err is not None}
-    assert not errors, "\n".join(f"--- rank {rank}:\n{err}" for rank, err in errors.items())
+    multiprocess.assert_passed(results[name])
