@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from . import _plan as P
 from . import distributed as D
@@ -115,7 +116,7 @@ class GradBuckets:
         self._reducer = None
         world = 1
         if process_group is not None:
-            world = D.world_size(process_group)
+            world = dist.get_world_size(process_group)
             description = [
                 (self._cap_bytes, world, str(self.device.type)),
                 *((p.numel(), str(p.dtype), str(g)) for p, g in zip(params, self.grad_dtypes, strict=True)),
@@ -134,7 +135,7 @@ class GradBuckets:
         # With a process group: the order in which gradients become ready, recorded until the
         # first synchronised backward ends and the buckets are rebuilt in it.
         self._order: dict[int, None] | None = {} if process_group is not None else None
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i, p)) for i, p in enumerate(params)]
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
 
     # --- layout ----------------------------------------------------------------------------
 
@@ -205,7 +206,7 @@ class GradBuckets:
 
     # --- backward --------------------------------------------------------------------------
 
-    def _make_hook(self, i: int, p: Tensor):
+    def _make_hook(self, i: int):
         def hook(param: Tensor) -> None:
             view = self._views[i]
             grad = param.grad
@@ -249,8 +250,8 @@ class GradBuckets:
                 self._settle(i)
         if self._reducer is None or not self._sync:
             return
-        used = torch.frombuffer(self._used, dtype=torch.uint8).to(self._reducer.device_for(self.device), torch.int32)
-        used = self._reducer.finish(used)
+        device = D.collective_device(self.process_group, self.device)
+        used = self._reducer.finish(torch.frombuffer(self._used, dtype=torch.uint8).to(device, torch.int32))
         self._used = bytearray(len(self.params))
         missing = [i for i in unfired if not self._main[i] and self.params[i].grad is None]
         if missing:

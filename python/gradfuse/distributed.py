@@ -27,10 +27,6 @@ import torch.distributed as dist
 Tensor = torch.Tensor
 
 
-def world_size(group) -> int:
-    return dist.get_world_size(group)
-
-
 def _src(group) -> int:
     """The global rank of the group's rank 0 (``broadcast`` takes global ranks)."""
     return dist.get_process_group_ranks(group)[0]
@@ -139,7 +135,7 @@ def check_same_layout(description: list, group, device: torch.device) -> None:
         dtype=torch.int64,
         device=collective_device(group, device),
     )
-    everyone = [torch.empty_like(mine) for _ in range(world_size(group))]
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     rows = [t.tolist() for t in everyone]
     if any(row != rows[0] for row in rows):
@@ -185,7 +181,7 @@ class BucketReducer:
 
     def __init__(self, group, buffers: list[Tensor]) -> None:
         self.group = group
-        self.world = world_size(group)
+        self.world = dist.get_world_size(group)
         self.set_buffers(buffers)
 
     def set_buffers(self, buffers: list[Tensor]) -> None:
@@ -221,6 +217,3 @@ class BucketReducer:
         t = torch.tensor(order, dtype=torch.int64, device=collective_device(self.group, device))
         dist.broadcast(t, src=_src(self.group), group=self.group)
         return t.tolist()
-
-    def device_for(self, device: torch.device) -> torch.device:
-        return collective_device(self.group, device)
