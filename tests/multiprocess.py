@@ -12,6 +12,7 @@ failure, never a wait.
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib
 import inspect
 import os
@@ -49,6 +50,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, module: str, na
             dist.barrier()  # the next scenario starts together on every rank
     finally:
         out.write_bytes(pickle.dumps(results))
+        gc.collect()  # DDP reducers and GradBuckets (reference cycles) release the group first
         dist.destroy_process_group()
 
 
