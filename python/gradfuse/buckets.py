@@ -1,33 +1,41 @@
-"""``GradBuckets``: a model's gradients in a few contiguous flat buffers.
+"""``GradBuckets``: one process's gradients in a few contiguous flat buffers.
 
-Every fused op then runs on a handful of tensors whatever the number of parameters, and the
-same layout serves data parallelism (one all-reduce per bucket, overlapping backward).
+Every fused op then runs on a handful of tensors whatever the number of parameters. Data
+parallelism is not done here: it runs on torch's ``DistributedDataParallel`` with gradfuse's
+communication hook (``gradfuse.register_ddp_hook``).
 
-- The layout is planned once by the Rust planner (``gradfuse._rust.plan_buckets``, see
-  ``rust/bucket.rs``): parameters in reverse registration order (the order backward produces
-  their gradients), one dtype per bucket, 64-byte aligned offsets, buckets capped at
-  ``bucket_cap_mb`` (a larger parameter alone in its own), padded to a multiple of the world size.
-- Grad-as-view: each ``param.grad`` is a view into its bucket, so autograd accumulates into the
-  bucket in place. A post-accumulate-grad hook puts a gradient that landed elsewhere (after
-  ``zero_grad(set_to_none=True)``, or a ``.grad`` the user replaced) back into the view.
+- The layout is planned by the Rust planner (``gradfuse._rust.plan_buckets``, see
+  ``rust/bucket.rs``): trainable parameters in reverse registration order (the order backward
+  produces their gradients), one dtype per bucket, 64-byte aligned offsets, buckets capped at
+  ``bucket_cap_mb`` (a larger parameter alone in its own). Frozen parameters are skipped, as
+  DDP skips them; :meth:`GradBuckets.refresh` plans again after an unfreezing (or ``model.to()``).
+- Grad-as-view: each ``param.grad`` is a view into its parameter's *slot*, so autograd
+  accumulates into the bucket in place. A post-accumulate-grad hook puts a gradient that
+  landed elsewhere (after ``zero_grad()``, or a ``.grad`` the user replaced) into the slot and
+  re-attaches the view.
 - ``grad_dtype`` wider than a parameter's dtype (fp32 for a bf16 model): its gradient
   accumulates in ``param.main_grad`` (Megatron's name), a view into an fp32 bucket, through the
   hook (``gradfuse.accumulate_``); ``param.grad`` is freed as soon as it is folded in.
-- Invariant the fused methods rely on: after backward, the buckets hold exactly the gradients
-  (a parameter without one has zeros in its slot; gaps and padding are zero), so a norm over
-  the buffers is the norm over the gradients for every ``norm_type > 0``.
+- Never stale: the methods work on the gradients torch would see. The fast path (the flat
+  buffers) is taken only while every gradient is its live slot view (the same object, still
+  pointing at the slot); otherwise (``.grad`` replaced or None, a sparse or graph-carrying
+  gradient kept outside the buckets, a parameter cast or moved since the plan, a frozen
+  parameter that got a gradient) they run over the real gradients, with torch's answer. The
+  slots of parameters whose gradient is not in the buckets hold unspecified values.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
+import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from itertools import repeat
+from operator import attrgetter
 
 import torch
-import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _plan as P
 from . import distributed as D
@@ -36,13 +44,29 @@ from .ops import accumulate_, check_max_norm
 Tensor = torch.Tensor
 
 ALIGN_BYTES = 64
-#: DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``): small, so that communication
-#: starts while most of backward is still to run.
-FIRST_BUCKET_BYTES = 1 << 20
+
+#: What ``process_group=`` did before, and what replaces it (shown by the error).
+DDP_INSTEAD = (
+    "GradBuckets no longer averages gradients across ranks (process_group=); data parallelism runs "
+    "on torch's DistributedDataParallel with gradfuse's communication hook:\n"
+    "    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)\n"
+    "    state = gradfuse.register_ddp_hook(ddp)\n"
+    "GradBuckets is for one process (flat buffers, fp32 main_grad); its get_total_norm and "
+    "clip_grad_norm_ still take process_group= for gradients sharded across ranks."
+)
 
 # Live bucket sets by the id of their first gradient view, for the drop-ins' fast path (the
 # ids are of objects the set keeps alive, so they cannot be reused while it lives).
 _LIVE: weakref.WeakValueDictionary[int, GradBuckets] = weakref.WeakValueDictionary()
+# Which set holds each parameter, by the parameter's id (kept alive by that set).
+_OWNERS: weakref.WeakValueDictionary[int, GradBuckets] = weakref.WeakValueDictionary()
+
+_grad = attrgetter("grad")
+_PLAIN = frozenset({Tensor, torch.nn.Parameter})
+
+
+def _describe(i: int, p: Tensor) -> str:
+    return f"params[{i}] (shape {tuple(p.shape)}, {str(p.dtype).removeprefix('torch.')})"
 
 
 def _check_params(params) -> list[Tensor]:
@@ -55,27 +79,37 @@ def _check_params(params) -> list[Tensor]:
     for i, p in enumerate(params):
         if not isinstance(p, Tensor):
             raise TypeError(f"GradBuckets: params[{i}] is a {type(p).__name__}, not a tensor")
-        if not p.requires_grad:
-            raise ValueError(
-                f"GradBuckets: params[{i}] (shape {tuple(p.shape)}) does not require grad; pass only "
-                "trainable parameters, e.g. [p for p in model.parameters() if p.requires_grad]"
-            )
+        if not p.is_leaf:
+            raise ValueError(f"GradBuckets: params[{i}] (shape {tuple(p.shape)}) is not a leaf tensor (a parameter)")
         if id(p) in seen:
             raise ValueError(f"GradBuckets: params[{seen[id(p)]}] and params[{i}] are the same parameter")
         seen[id(p)] = i
-        if p.layout != torch.strided or type(p) not in (Tensor, torch.nn.Parameter):
+        owner = _OWNERS.get(id(p))
+        if owner is not None:
+            raise ValueError(
+                f"GradBuckets: {_describe(i, p)} already has its gradient in another GradBuckets, whose hooks "
+                "would fire too; call .remove() on that one first (or .refresh() it to follow a changed model)"
+            )
+    _check_kinds(params)
+    return params
+
+
+def _check_kinds(params: list[Tensor]) -> None:
+    """The parameters that will be planned: dense plain tensors of a supported dtype, one device."""
+    trainable = [(i, p) for i, p in enumerate(params) if p.requires_grad]
+    for i, p in trainable:
+        if p.layout != torch.strided or type(p) not in _PLAIN:
             raise TypeError(
                 f"GradBuckets: params[{i}] is a {type(p).__name__} with layout {p.layout}; buckets hold dense "
                 "gradients of plain tensors (use FSDP2's own buffers for DTensor parameters)"
             )
         if p.dtype not in P.DTYPE_CODES:
             raise TypeError(f"GradBuckets: params[{i}] has dtype {p.dtype}; gradfuse works on {P.SUPPORTED}")
-        if p.device != params[0].device:
+        if p.device != trainable[0][1].device:
             raise ValueError(
-                f"GradBuckets: params[{i}] is on {p.device} but params[0] is on {params[0].device}; "
-                "one GradBuckets holds the gradients of one device"
+                f"GradBuckets: params[{i}] is on {p.device} but params[{trainable[0][0]}] is on "
+                f"{trainable[0][1].device}; one GradBuckets holds the gradients of one device"
             )
-    return params
 
 
 def _check_cap(bucket_cap_mb) -> int:
@@ -85,14 +119,56 @@ def _check_cap(bucket_cap_mb) -> int:
     return max(1, int(cap * 1024 * 1024))
 
 
-class GradBuckets:
-    """The gradients of ``params`` in a few flat buffers (see the module docs).
+def _slot_dtype(p: Tensor, grad_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of ``p``'s slot: ``grad_dtype`` when given (``main_grad`` if it differs from
+    ``p.dtype``), else the dtype autograd gives ``p.grad`` (``p.grad_dtype`` when it is set)."""
+    if grad_dtype is not None:
+        return grad_dtype
+    own = getattr(p, "grad_dtype", None)
+    return own if own is not None else p.dtype
 
-    ``params``: trainable tensors on one device. ``bucket_cap_mb``: the bucket size cap.
-    ``grad_dtype``: the dtype gradients accumulate in; a parameter of another dtype gets its
-    gradient in ``param.main_grad`` (``param.grad`` is freed). ``process_group``: average the
-    gradients across its ranks during backward, as ``DistributedDataParallel`` does (every rank
-    must pass the same parameters; rank 0's parameter values are broadcast at construction).
+
+def _fits(grad: Tensor, slot: Tensor) -> bool:
+    """Whether ``grad`` can be put into ``slot`` as is: dense, plain, no autograd graph (a
+    ``backward(create_graph=True)`` gradient keeps its ``grad_fn`` outside the buckets), and
+    the slot's dtype, shape and device (a parameter cast or moved since the plan does not)."""
+    return (
+        grad.layout == torch.strided
+        and type(grad) in _PLAIN
+        and not grad.requires_grad
+        and grad.dtype == slot.dtype
+        and grad.shape == slot.shape
+        and grad.device == slot.device
+    )
+
+
+def _combine(parts: list[Tensor], norm_type: float) -> Tensor:
+    """The norm over several groups of tensors from each group's norm (on the first's device):
+    the norm of the groups' norms, as torch combines per-tensor norms; for order 0 the groups'
+    counts of non-zero tensors add up."""
+    if len(parts) == 1:
+        return parts[0]
+    dtype = parts[0].dtype
+    for t in parts[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    stacked = torch.stack([t.to(parts[0].device, dtype) for t in parts])
+    return stacked.sum() if norm_type == 0 else torch.linalg.vector_norm(stacked, norm_type)
+
+
+class GradBuckets:
+    """The gradients of ``params`` (one process) in a few flat buffers (see the module docs).
+
+    ``params``: tensors on one device; those that do not require grad are skipped (as DDP
+    does) and brought in by :meth:`refresh` once they do. ``bucket_cap_mb``: the bucket size
+    cap. ``grad_dtype``: the dtype gradients accumulate in; a parameter of another dtype gets
+    its gradient in ``param.main_grad`` (``param.grad`` is freed). ``main_grad`` is cleared by
+    :meth:`zero_grad` alone, not by ``optimizer.zero_grad()`` (Megatron's ``zero_grad_buffer``
+    convention): a backward after an optimizer step without ``buckets.zero_grad()`` in between
+    warns, since it adds to the last step's gradients.
+
+    A parameter belongs to one ``GradBuckets`` at a time (:meth:`remove` the first).
+    ``process_group=`` is gone: data parallelism runs on ``DistributedDataParallel`` with
+    ``gradfuse.register_ddp_hook`` (the error says how).
     """
 
     def __init__(
@@ -103,97 +179,153 @@ class GradBuckets:
         grad_dtype: torch.dtype | None = None,
         process_group=None,
     ) -> None:
-        params = _check_params(params)
+        if process_group is not None:
+            raise TypeError(DDP_INSTEAD)
+        given = _check_params(params)
         self._cap_bytes = _check_cap(bucket_cap_mb)
         if grad_dtype is not None and grad_dtype not in P.DTYPE_CODES:
             raise TypeError(f"GradBuckets: grad_dtype must be one of {P.SUPPORTED}, got {grad_dtype}")
-        self.params = params
-        self.device = params[0].device
-        self.grad_dtypes = [grad_dtype or p.dtype for p in params]
-        #: Per parameter: its gradient lives in ``main_grad`` (wider dtype), not ``grad``.
-        self._main = [g != p.dtype for g, p in zip(self.grad_dtypes, params, strict=True)]
-        self.process_group = process_group
-        self._reducer = None
-        world = 1
-        if process_group is not None:
-            world = dist.get_world_size(process_group)
-            description = [
-                (self._cap_bytes, world, str(self.device.type)),
-                *((p.numel(), str(p.dtype), str(g)) for p, g in zip(params, self.grad_dtypes, strict=True)),
-            ]
-            D.check_same_layout(description, process_group, self.device)
-        self._world = world
-        self._first_cap = min(FIRST_BUCKET_BYTES, self._cap_bytes) if process_group is not None else self._cap_bytes
-        self._sync = True
-        self._layout(list(reversed(range(len(params)))))
-        if process_group is not None:
-            D.broadcast_parameters(params, process_group)
-            self._reducer = D.BucketReducer(process_group, self._buffers)
-        self._used = bytearray(len(params))  # which parameters got a gradient since the last reduction
-        self._fired = bytearray(len(params))  # ... in the current backward
-        self._task = None  # the backward (autograd graph task) that state belongs to
-        # With a process group: the order in which gradients become ready, recorded until the
-        # first synchronised backward ends and the buckets are rebuilt in it.
-        self._order: dict[int, None] | None = {} if process_group is not None else None
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+        self._grad_dtype = grad_dtype
+        #: Every parameter given, trainable or not (frozen ones are planned by ``refresh``).
+        self._given = given
+        self._handles: list = []
+        self._warned: set[int] = set()
+        #: An optimizer stepped over a ``main_grad`` parameter since the last ``zero_grad``.
+        self._stepped = False
+        self._checked_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._step_handle = None
+        self._plan()
+        for p in given:
+            _OWNERS[id(p)] = self
 
     # --- layout ----------------------------------------------------------------------------
 
-    def _layout(self, order: list[int]) -> None:
-        """Plans buckets for parameters placed in ``order``, allocates them and attaches the
-        views (carrying over the gradients already there)."""
-        numels = [p.numel() for p in self.params]
-        codes = [P.DTYPE_CODES[g] for g in self.grad_dtypes]
+    def _plan(self) -> None:
+        """Plans buckets for the parameters that require grad, as they are now, allocates them
+        and attaches the views, carrying over the gradients already there (``main_grad`` and
+        ``grad``); a gradient that cannot live in a slot (sparse, graph-carrying) stays where it is."""
+        params = [p for p in self._given if p.requires_grad]
+        frozen = [p for p in self._given if not p.requires_grad]
+        dtypes = [_slot_dtype(p, self._grad_dtype) for p in params]
+        main = [g != p.dtype and self._grad_dtype is not None for g, p in zip(dtypes, params, strict=True)]
+        device = params[0].device if params else self._given[0].device
         from . import _rust
 
+        numels = [p.numel() for p in params]
         slots, buckets = _rust.plan_buckets(
-            numels, codes, order, self._cap_bytes, self._first_cap, ALIGN_BYTES, self._world
+            numels,
+            [P.DTYPE_CODES[g] for g in dtypes],
+            list(reversed(range(len(params)))),
+            self._cap_bytes,
+            self._cap_bytes,
+            ALIGN_BYTES,
+            1,
         )
-        dtypes = {code: dtype for dtype, code in P.DTYPE_CODES.items()}
-        buffers = [torch.zeros(numel, dtype=dtypes[code], device=self.device) for code, numel, _ in buckets]
-        views = [
+        by_code = {code: dtype for dtype, code in P.DTYPE_CODES.items()}
+        buffers = [torch.zeros(numel, dtype=by_code[code], device=device) for code, numel, _ in buckets]
+        slot_views = [
             buffers[b].narrow(0, offset, n).view(p.shape)
-            for (b, offset), n, p in zip(slots, numels, self.params, strict=True)
+            for (b, offset), n, p in zip(slots, numels, params, strict=True)
         ]
-        old = getattr(self, "_views", None)
+        views = [s.view(s.shape) for s in slot_views]
+        ours = {id(v) for v in getattr(self, "_views", ())}
         with torch.no_grad():
-            for i, (p, view) in enumerate(zip(self.params, views, strict=True)):
-                if old is not None:
-                    view.copy_(old[i])
-                    if self._main[i]:
-                        p.main_grad = view
-                    elif p.grad is not None:
+            for p, is_main, slot, view in zip(params, main, slot_views, views, strict=True):
+                grad = p.grad
+                old = getattr(p, "main_grad", None)
+                carried = isinstance(old, Tensor) and old.shape == slot.shape and (is_main or id(old) in ours)
+                if carried:  # main_grad from an earlier plan, or a main_grad parameter no longer one
+                    slot.copy_(old)
+                if not is_main and id(old) in ours:
+                    del p.main_grad
+                    if grad is None:
                         p.grad = view
-                elif self._main[i]:
-                    if p.grad is not None:
-                        view.copy_(p.grad)
+                if is_main:
+                    if grad is not None:
+                        if grad.layout == torch.strided:
+                            accumulate_(slot, grad)
+                        else:
+                            slot.add_(grad.to(slot.dtype))
                         p.grad = None
                     p.main_grad = view
-                elif p.grad is not None:
+                elif grad is not None and _fits(grad, slot):
                     # A parameter without a gradient keeps none until backward gives it one.
-                    view.copy_(p.grad)
+                    if carried:
+                        slot.add_(grad)
+                    else:
+                        slot.copy_(grad)
                     p.grad = view
-        self._placed_order = list(order)
+        self._clear_registration()
+        for p in frozen:
+            if id(getattr(p, "main_grad", None)) in ours:
+                del p.main_grad  # a frozen parameter has no gradient in the buckets
+        self.params = params
+        self.device = device
+        self.grad_dtypes = dtypes
+        self._frozen = frozen
+        self._main = main
         self._buffers = buffers
+        self._slots = slot_views
         self._views = views
-        self._view_ptrs = [v.data_ptr() for v in views]
+        self._ptrs = [s.data_ptr() for s in slot_views]
         self._bucket_of = [b for b, _ in slots]
-        self._bucket_params = [params for _, _, params in buckets]
-        self._pending = [len(ps) for ps in self._bucket_params]
-        if old is not None:
-            _LIVE.pop(id(old[0]), None)
-        _LIVE[id(views[0])] = self
-        if self._reducer is not None:
-            self._reducer.set_buffers(buffers)
+        # Views and parameters split by where the gradient lives, for the C-level checks.
+        self._grad_params = [p for p, m in zip(params, main, strict=True) if not m]
+        self._main_params = [p for p, m in zip(params, main, strict=True) if m]
+        self._grad_views = [v for v, m in zip(views, main, strict=True) if not m]
+        self._main_views = [v for v, m in zip(views, main, strict=True) if m]
+        #: Parameter index -> its position in ``_grad_views`` or ``_main_views``.
+        counts = [0, 0]
+        self._split_at = []
+        for m in main:
+            self._split_at.append(counts[m])
+            counts[m] += 1
+        self._main_ids = frozenset(map(id, self._main_params))
+        self._warned.clear()
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+        if views:
+            _LIVE[id(views[0])] = self
+        if self._main_params:
+            self._step_handle = register_optimizer_step_post_hook(_StepWatch(self))
+
+    def _clear_registration(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._step_handle is not None:
+            self._step_handle.remove()
+            self._step_handle = None
+        views = getattr(self, "_views", None)
+        if views and _LIVE.get(id(views[0])) is self:
+            del _LIVE[id(views[0])]
+
+    def _set_view(self, i: int) -> Tensor:
+        """A fresh view of slot ``i`` (the old view object was re-pointed with ``.data =``)."""
+        view = self._slots[i].view(self._slots[i].shape)
+        (self._main_views if self._main[i] else self._grad_views)[self._split_at[i]] = view
+        if i == 0:
+            if _LIVE.get(id(self._views[0])) is self:
+                del _LIVE[id(self._views[0])]
+            _LIVE[id(view)] = self
+        self._views[i] = view
+        return view
+
+    def refresh(self) -> None:
+        """Plans the buckets again for the parameters as they are now: those that require grad
+        (follow an unfreezing schedule), with their current dtype, shape and device (after
+        ``model.to()``, ``.half()``, ``grad_dtype``). The gradients are carried over; read
+        :attr:`buffers` again afterwards."""
+        _check_kinds(self._given)
+        self._plan()
 
     @property
     def buffers(self) -> list[Tensor]:
-        """The flat bucket tensors (after a bucket rebuild, new ones: read it again)."""
+        """The flat bucket tensors (after :meth:`refresh`, new ones: read it again)."""
         return list(self._buffers)
 
     @property
     def grads(self) -> list[Tensor]:
-        """Every parameter's gradient view, in ``params`` order (``main_grad`` where it is used)."""
+        """Every planned parameter's gradient view, in ``params`` order (``main_grad`` where it is used)."""
         return list(self._views)
 
     def bucket_index(self, i: int) -> int:
@@ -202,128 +334,191 @@ class GradBuckets:
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{b.numel()}x{str(b.dtype).removeprefix('torch.')}" for b in self._buffers)
-        return f"GradBuckets({len(self.params)} params in {len(self._buffers)} buckets: {sizes}; world {self._world})"
+        frozen = f", {len(self._frozen)} frozen" if self._frozen else ""
+        return f"GradBuckets({len(self.params)} params in {len(self._buffers)} buckets: {sizes}{frozen})"
 
     # --- backward --------------------------------------------------------------------------
 
     def _make_hook(self, i: int):
         def hook(param: Tensor) -> None:
-            view = self._views[i]
-            grad = param.grad
-            if self._main[i]:
-                accumulate_(view, grad)
-                param.grad = None
-            elif grad is not view:
-                # The gradient landed outside the bucket: .grad was None (set_to_none) or replaced.
-                with torch.no_grad():
-                    view.copy_(grad)
-                param.grad = view
-            self._ready(i)
+            self._landed(i, param)
 
         return hook
 
-    def _ready(self, i: int) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != self._task:  # the first gradient of a new backward
-            self._task = task
-            self._pending = [len(ps) for ps in self._bucket_params]
-            self._fired = bytearray(len(self.params))
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._fired[i] = self._used[i] = 1
-        if self._order is not None:
-            self._order.setdefault(i)
-        b = self._bucket_of[i]
-        self._pending[b] -= 1
-        if self._pending[b] == 0 and self._sync and self._reducer is not None:
-            self._reducer.ready(b)
-
-    def _end_of_backward(self) -> None:
-        """Queued on the autograd engine by the first hook of each backward; runs before
-        ``backward()`` returns: settles the parameters that got no gradient, then (synchronised,
-        with a process group) finishes the reduction."""
-        self._task = None
-        unfired = [
-            i for b, left in enumerate(self._pending) if left for i in self._bucket_params[b] if not self._fired[i]
-        ]
-        with torch.no_grad():
-            for i in unfired:
-                self._settle(i)
-        if self._reducer is None or not self._sync:
-            return
-        device = D.collective_device(self.process_group, self.device)
-        used = self._reducer.finish(torch.frombuffer(self._used, dtype=torch.uint8).to(device, torch.int32))
-        self._used = bytearray(len(self.params))
-        missing = [i for i in unfired if not self._main[i] and self.params[i].grad is None]
-        if missing:
-            used = used.tolist()
-            for i in missing:
-                if used[i]:  # used on another rank: it gets the average, as under DDP
-                    self.params[i].grad = self._views[i]
-        if self._order is not None:
-            self._rebuild()
-
-    def _settle(self, i: int) -> None:
-        """Parameter ``i`` got no gradient in this backward: its slot keeps what ``.grad``
-        holds (an accumulated gradient), or zeros when it has none, so that the buckets hold
-        exactly the gradients."""
+    def _landed(self, i: int, param: Tensor) -> None:
+        """Backward has accumulated into ``param.grad``: bring it into slot ``i``."""
+        grad, slot = param.grad, self._slots[i]
         if self._main[i]:
+            if self._stepped:
+                self._stepped = False
+                warnings.warn(
+                    "GradBuckets: a backward after optimizer.step() without buckets.zero_grad() in between: "
+                    "main_grad adds to the last step's gradients (main_grad is cleared by buckets.zero_grad() "
+                    "alone, not by optimizer.zero_grad())",
+                    stacklevel=2,
+                )
+            if grad.requires_grad:
+                raise RuntimeError(
+                    f"GradBuckets: {_describe(i, param)} got a gradient with an autograd graph "
+                    "(backward(create_graph=True)); folding it into main_grad would drop the graph. "
+                    "Use GradBuckets without grad_dtype (or none) for double backward"
+                )
+            if grad.shape != slot.shape or grad.device != slot.device:
+                raise RuntimeError(
+                    f"GradBuckets: {_describe(i, param)} is now {tuple(grad.shape)} on {grad.device}, but its "
+                    f"main_grad was planned as {tuple(slot.shape)} on {slot.device}; call buckets.refresh() "
+                    "after moving the model (or remove() the buckets and build new ones)"
+                )
+            with torch.no_grad():
+                if grad.layout == torch.strided:
+                    accumulate_(slot, grad)
+                else:
+                    slot.add_(grad.to(slot.dtype))
+            param.grad = None
             return
-        grad = self.params[i].grad
-        if grad is None:
-            self._views[i].zero_()
-        elif grad is not self._views[i]:
-            self._views[i].copy_(grad)
-            self.params[i].grad = self._views[i]
+        view = self._views[i]
+        if grad is view and view.data_ptr() == self._ptrs[i]:
+            return  # accumulated in place
+        if not _fits(grad, slot):
+            # Sparse, graph-carrying, or cast/moved since the plan: it stays in .grad, where
+            # torch put it, and the methods include it from there.
+            if grad.layout == torch.strided and not grad.requires_grad and i not in self._warned:
+                self._warned.add(i)
+                warnings.warn(
+                    f"GradBuckets: {_describe(i, param)} got a {str(grad.dtype).removeprefix('torch.')} "
+                    f"gradient of shape {tuple(grad.shape)} on {grad.device}, but its slot is "
+                    f"{str(slot.dtype).removeprefix('torch.')} {tuple(slot.shape)} on {slot.device} (the model "
+                    "was cast or moved after the buckets were built); it is kept outside the buckets. "
+                    "Call buckets.refresh() to plan them again",
+                    stacklevel=2,
+                )
+            return
+        with torch.no_grad():
+            slot.copy_(grad)
+        if view.data_ptr() != self._ptrs[i]:
+            view = self._set_view(i)
+        param.grad = view
 
-    def _rebuild(self) -> None:
-        """After the first synchronised backward: lay the buckets out again in the order in
-        which gradients became ready (rank 0's, on every rank), as DDP does, so that each
-        bucket is complete as early as possible. Parameters that got no gradient go last."""
-        seen, self._order = self._order, None
-        rest = [i for i in reversed(range(len(self.params))) if i not in seen]
-        order = self._reducer.broadcast_order([*seen, *rest], self.device)
-        if order != self._placed_order:
-            self._layout(order)
+    # --- where the gradients are -----------------------------------------------------------
+
+    def _all_live(self) -> bool:
+        """Whether every gradient is its live slot view (and no frozen parameter has one): the
+        buffers then hold exactly the gradients, and gaps are zero."""
+        if not all(map(operator.is_, map(_grad, self._grad_params), self._grad_views)):
+            return False
+        if self._main_params:
+            mains = [getattr(p, "main_grad", None) for p in self._main_params]
+            if not all(map(operator.is_, mains, self._main_views)):
+                return False
+        if list(map(Tensor.data_ptr, self._views)) != self._ptrs:
+            return False
+        return not self._frozen or all(map(operator.is_, map(_grad, self._frozen), repeat(None)))
+
+    def _gradients(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The gradients torch would see, wherever they are: ``dense`` (live slots, and dense
+        plain tensors outside the buckets, for the fused ops) and ``odd`` (sparse,
+        graph-carrying or subclass gradients, for torch)."""
+        dense: list[Tensor] = []
+        odd: list[Tensor] = []
+        current = [getattr(p, "main_grad", None) if m else p.grad for p, m in zip(self.params, self._main, strict=True)]
+        for i, grad in enumerate(current):
+            if grad is None:
+                continue
+            if grad is self._views[i] and grad.data_ptr() == self._ptrs[i]:
+                dense.append(self._slots[i])
+            else:
+                (dense if self._plain(grad) else odd).append(grad)
+        for p in self._frozen:
+            grad = p.grad
+            if grad is None:
+                continue
+            i = self._given.index(p)
+            if i not in self._warned:
+                self._warned.add(i)
+                warnings.warn(
+                    f"GradBuckets: {_describe(i, p)} was frozen when the buckets were planned and now has a "
+                    "gradient; it is included from outside the buckets. Call buckets.refresh() after "
+                    "unfreezing to plan it into them",
+                    stacklevel=3,
+                )
+            (dense if self._plain(grad) else odd).append(grad)
+        return dense, odd
+
+    @staticmethod
+    def _plain(grad: Tensor) -> bool:
+        return (
+            grad.layout == torch.strided
+            and type(grad) in _PLAIN
+            and not grad.requires_grad
+            and grad.dtype in P.DTYPE_CODES
+            and grad.device.type in ("cpu", "cuda")
+        )
+
+    def _norm_of(self, dense: list[Tensor], odd: list[Tensor], norm_type: float) -> Tensor | None:
+        """The norm over ``dense`` (fused) and ``odd`` (torch), or None when both are empty."""
+        parts = []
+        if dense:
+            try:
+                parts.append(torch.ops.gradfuse.multi_tensor_norm(dense, norm_type, False)[0])
+            except (P.UnsupportedTensorError, P.MixedDevicesError, NotImplementedError):
+                odd = dense + odd
+        if odd:
+            parts.append(torch.nn.utils.get_total_norm(odd, norm_type))
+        return _combine(parts, norm_type) if parts else None
 
     # --- public API --------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients without communicating; the next
-        backward outside reduces everything accumulated (``DistributedDataParallel.no_sync``)."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    def zero_grad(self) -> None:
-        """Zeros every gradient: one fill per bucket; the views stay valid."""
-        torch._foreach_zero_(self._buffers)
-
-    def _uses_buffers(self, norm_type: float) -> bool:
-        # Zero gaps and slots do not change a norm of positive order; they would change the
-        # count of non-zero tensors (0), a minimum (-inf) and negative orders.
-        return norm_type > 0
-
-    def _present(self) -> list[Tensor]:
-        """The gradient views torch's functions would see (``None`` grads skipped)."""
-        return [
-            v for v, p, main in zip(self._views, self.params, self._main, strict=True) if main or p.grad is not None
-        ]
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears every gradient, as ``optimizer.zero_grad(set_to_none)`` does over these
+        parameters: the buffers are zero-filled (one fill per bucket) and, by default, each
+        ``.grad`` is set to None, so that a parameter that gets no gradient in the next backward
+        has none (an optimizer leaves it alone, as torch's); the hook re-attaches the view when
+        a gradient arrives. ``set_to_none=False`` zeroes the gradients in place. ``main_grad`` is
+        cleared here and only here (Megatron's ``zero_grad_buffer``)."""
+        if self._buffers:
+            torch._foreach_zero_(self._buffers)
+        self._stepped = False
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                live = self._views[i].data_ptr() == self._ptrs[i]
+                if self._main[i]:
+                    if getattr(p, "main_grad", None) is not self._views[i] or not live:
+                        p.main_grad = self._set_view(i)
+                elif p.grad is self._views[i] and live:
+                    if set_to_none:
+                        p.grad = None
+                    continue
+                if p.grad is not None:
+                    p.grad = None if set_to_none else p.grad.zero_()
+            for p in self._frozen:
+                if p.grad is not None:
+                    p.grad = None if set_to_none else p.grad.zero_()
 
     def get_total_norm(self, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, process_group=None) -> Tensor:
-        """The total norm of the gradients, as ``torch.nn.utils.get_total_norm`` of them, in one
-        fused pass over the buffers. ``process_group``: the gradients are shards (ZeRO, FSDP)
-        and the norm is over every rank's shard (identical on every rank)."""
+        """The total norm of the gradients, as ``torch.nn.utils.get_total_norm`` of them: one
+        fused pass over the buffers while every gradient is its live view, else over the real
+        gradients (see the module docs). ``process_group``: the gradients are shards (ZeRO,
+        FSDP) and the norm is over every rank's shard (identical on every rank; every rank must
+        call it, with or without gradients)."""
         norm_type = P.check_norm_type("GradBuckets.get_total_norm", norm_type)
-        tensors = self._buffers if self._uses_buffers(norm_type) else self._present()
-        if not tensors:
-            return torch.zeros((), device=self.device)
         with torch.no_grad():
-            total = torch.ops.gradfuse.multi_tensor_norm(tensors, norm_type, False)[0]
-            if process_group is not None:
-                total = D.combine_norm(total, norm_type, [process_group])
+            if self._all_live():
+                # Zero gaps do not change a norm of positive order; they would change the count
+                # of non-zero tensors (0), a minimum (-inf) and negative orders.
+                dense, odd = (self._buffers if norm_type > 0 else self._slots), []
+            else:
+                dense, odd = self._gradients()
+            return self._total(dense, odd, norm_type, error_if_nonfinite, process_group)
+
+    def _total(self, dense, odd, norm_type: float, error_if_nonfinite: bool, process_group) -> Tensor:
+        total = self._norm_of(dense, odd, norm_type)
+        if process_group is not None:
+            # Every rank takes part in the collective, with or without gradients.
+            if total is None:
+                total = D.norm_of_nothing(norm_type, D.collective_device(process_group, self.device))
+            total = D.combine_norm(total, norm_type, [process_group])
+        if total is None:
+            return torch.zeros((), device=self.device)
         if error_if_nonfinite and not torch.isfinite(total):
             raise P.nonfinite_total_error(norm_type)
         return total
@@ -331,33 +526,76 @@ class GradBuckets:
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, process_group=None
     ) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` of the gradients, run over the buffers: one norm
-        pass and one scale pass (skipped when the coefficient is exactly 1) whatever the
-        number of parameters, no host sync. Returns the total norm (before clipping)."""
+        """``torch.nn.utils.clip_grad_norm_`` of the gradients: while every gradient is its live
+        view, one norm pass and one scale pass over the buffers (the scale skipped when the
+        coefficient is exactly 1) whatever the number of parameters, no host sync; otherwise
+        the same over the real gradients, wherever they are (torch's answer). Returns the total
+        norm (before clipping)."""
         max_norm = check_max_norm("GradBuckets.clip_grad_norm_", max_norm)
         norm_type = P.check_norm_type("GradBuckets.clip_grad_norm_", norm_type)
         with torch.no_grad():
-            if process_group is None and self._uses_buffers(norm_type):
-                return torch.ops.gradfuse.clip_grad_norm_(self._buffers, max_norm, norm_type, error_if_nonfinite)
-            total = self.get_total_norm(norm_type, error_if_nonfinite, process_group=process_group)
-            torch.ops.gradfuse.clip_grads_with_norm_(self._buffers, max_norm, total)
+            if self._all_live():
+                if process_group is None and norm_type > 0:
+                    return torch.ops.gradfuse.clip_grad_norm_(self._buffers, max_norm, norm_type, error_if_nonfinite)
+                total = self._total(
+                    self._buffers if norm_type > 0 else self._slots, [], norm_type, error_if_nonfinite, process_group
+                )
+                self._scale(self._buffers, [], max_norm, total)
+            else:
+                dense, odd = self._gradients()
+                total = self._total(dense, odd, norm_type, error_if_nonfinite, process_group)
+                self._scale(dense, odd, max_norm, total)
         return total
+
+    def _scale(self, dense: list[Tensor], odd: list[Tensor], max_norm: float, total: Tensor) -> None:
+        if dense:
+            try:
+                torch.ops.gradfuse.clip_grads_with_norm_(dense, max_norm, total.to(dense[0].device))
+            except (P.UnsupportedTensorError, P.OverlapError, P.MixedDevicesError, NotImplementedError):
+                odd = dense + odd  # nothing was modified; torch's per-tensor rule below
+        if odd:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for g in odd:
+                g.mul_(coef.to(g.device))
 
     def owns(self, grads: list[Tensor]) -> bool:
         """Whether ``grads`` are exactly this set's gradient views, in order, still pointing
-        into the buckets (a ``.grad`` the user replaced, or re-pointed with ``.data =``, is not)."""
+        into the buckets (a ``.grad`` the user replaced, or re-pointed with ``.data =``, is
+        not), and no frozen parameter has a gradient the set's methods would add."""
         return (
             len(grads) == len(self._views)
             and all(map(operator.is_, grads, self._views))
-            and list(map(Tensor.data_ptr, grads)) == self._view_ptrs
+            and list(map(Tensor.data_ptr, grads)) == self._ptrs
+            and (not self._frozen or all(map(operator.is_, map(_grad, self._frozen), repeat(None))))
         )
 
     def remove(self) -> None:
-        """Detaches the hooks; the gradients stay where they are."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        _LIVE.pop(id(self._views[0]), None)
+        """Detaches the hooks; the gradients stay where they are, and the parameters may go
+        into another ``GradBuckets``."""
+        self._clear_registration()
+        for p in self._given:
+            if _OWNERS.get(id(p)) is self:
+                del _OWNERS[id(p)]
+
+
+class _StepWatch:
+    """``torch.optim``'s global step post-hook for one ``GradBuckets`` with ``main_grad``
+    parameters (held weakly): records that an optimizer over them stepped."""
+
+    def __init__(self, buckets: GradBuckets) -> None:
+        self._buckets = weakref.ref(buckets)
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        buckets = self._buckets()
+        if buckets is None:
+            return
+        groups = len(optimizer.param_groups)
+        known = buckets._checked_optimizers.get(optimizer)
+        if known is None or known[0] != groups:
+            ours = any(id(p) in buckets._main_ids for g in optimizer.param_groups for p in g["params"])
+            known = buckets._checked_optimizers[optimizer] = (groups, ours)
+        if known[1]:
+            buckets._stepped = True
 
 
 def owner_of(grads: list[Tensor]) -> GradBuckets | None:
