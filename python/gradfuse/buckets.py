@@ -128,6 +128,15 @@ def _slot_dtype(p: Tensor, grad_dtype: torch.dtype | None) -> torch.dtype:
     return own if own is not None else p.dtype
 
 
+def _slot(buffer: Tensor, offset: int, p: Tensor) -> Tensor:
+    """``p``'s slot at ``offset`` in ``buffer``, with ``p``'s strides when its elements are one
+    dense block (channels_last included: autograd gives the gradient the parameter's layout,
+    as DDP's bucket views do), else contiguous."""
+    if P.is_dense(p):
+        return buffer.as_strided(p.shape, p.stride(), offset)
+    return buffer.narrow(0, offset, p.numel()).view(p.shape)
+
+
 def _fits(grad: Tensor, slot: Tensor) -> bool:
     """Whether ``grad`` can be put into ``slot`` as is: dense, plain, no autograd graph (a
     ``backward(create_graph=True)`` gradient keeps its ``grad_fn`` outside the buckets), and
@@ -223,10 +232,7 @@ class GradBuckets:
         )
         by_code = {code: dtype for dtype, code in P.DTYPE_CODES.items()}
         buffers = [torch.zeros(numel, dtype=by_code[code], device=device) for code, numel, _ in buckets]
-        slot_views = [
-            buffers[b].narrow(0, offset, n).view(p.shape)
-            for (b, offset), n, p in zip(slots, numels, params, strict=True)
-        ]
+        slot_views = [_slot(buffers[b], offset, p) for (b, offset), p in zip(slots, params, strict=True)]
         views = [s.view(s.shape) for s in slot_views]
         ours = {id(v) for v in getattr(self, "_views", ())}
         with torch.no_grad():
@@ -263,6 +269,7 @@ class GradBuckets:
         self.device = device
         self.grad_dtypes = dtypes
         self._frozen = frozen
+        self._frozen_at = [(i, p) for i, p in enumerate(self._given) if not p.requires_grad]
         self._main = main
         self._buffers = buffers
         self._slots = slot_views
@@ -379,16 +386,17 @@ class GradBuckets:
         view = self._views[i]
         if grad is view and view.data_ptr() == self._ptrs[i]:
             return  # accumulated in place
-        if not _fits(grad, slot):
-            # Sparse, graph-carrying, or cast/moved since the plan: it stays in .grad, where
-            # torch put it, and the methods include it from there.
+        if not _fits(grad, slot) or param.stride() != slot.stride():
+            # Sparse, graph-carrying, or cast/moved/reformatted since the plan: it stays in
+            # .grad, where torch put it, and the methods include it from there.
             if grad.layout == torch.strided and not grad.requires_grad and i not in self._warned:
                 self._warned.add(i)
                 warnings.warn(
                     f"GradBuckets: {_describe(i, param)} got a {str(grad.dtype).removeprefix('torch.')} "
                     f"gradient of shape {tuple(grad.shape)} on {grad.device}, but its slot is "
-                    f"{str(slot.dtype).removeprefix('torch.')} {tuple(slot.shape)} on {slot.device} (the model "
-                    "was cast or moved after the buckets were built); it is kept outside the buckets. "
+                    f"{str(slot.dtype).removeprefix('torch.')} {tuple(slot.shape)} with strides {slot.stride()} "
+                    f"on {slot.device} (the model was cast, moved or changed memory format after the buckets "
+                    "were built); it is kept outside the buckets. "
                     "Call buckets.refresh() to plan them again",
                     stacklevel=2,
                 )
@@ -428,11 +436,10 @@ class GradBuckets:
                 dense.append(self._slots[i])
             else:
                 (dense if self._plain(grad) else odd).append(grad)
-        for p in self._frozen:
+        for i, p in self._frozen_at:
             grad = p.grad
             if grad is None:
                 continue
-            i = self._given.index(p)
             if i not in self._warned:
                 self._warned.add(i)
                 warnings.warn(

@@ -1,0 +1,426 @@
+"""GradBuckets is never stale: each case gives torch's answer on the same model and inputs (or
+a clear error), where the old buckets gave the buffers' stale values.
+
+Tolerances: the bucket norm is one fp32 sum over the buffers and torch's is the norm of
+per-tensor norms, so totals agree to fp32 rounding (rtol 1e-5 over a few thousand elements);
+a gradient that is the same computation (autograd's, copied into a slot) is compared bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import gradfuse
+from reference import close, ref_norms
+
+RTOL = 1e-5  # fp32 sums of ~2000 squares in a different order
+REF_RTOL = 2e-6  # gradfuse's fp32-accurate norm against the float64 reference (see reference.py)
+
+
+@pytest.fixture(autouse=True)
+def rust_backend(monkeypatch):
+    monkeypatch.setenv("GRADFUSE_BACKEND", "rust")
+
+
+class Net(nn.Module):
+    def __init__(self, conv: bool = False):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1) if conv else None
+        self.fc1 = nn.Linear(12, 24)
+        self.fc2 = nn.Linear(24, 5)
+        self.side = nn.Linear(12, 5)  # used only when asked
+
+    def forward(self, x, side: bool = False):
+        if self.conv is not None:
+            x = self.conv(x).mean(dim=(2, 3)).repeat(1, 3)
+        y = self.fc2(torch.tanh(self.fc1(x)))
+        return y + self.side(x) if side else y
+
+
+def pair(conv: bool = False, dtype=torch.float32):
+    torch.manual_seed(0)
+    ours = Net(conv).to(dtype)
+    theirs = Net(conv).to(dtype)
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def inputs(conv: bool = False, dtype=torch.float32, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (6, 3, 5, 5) if conv else (6, 12)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def backward(model, x, side=False, scale=1.0):
+    (model(x, side).square().mean() * scale).backward()
+
+
+def assert_grads_equal(ours, theirs, exact: bool = True):
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None, f"{name}: a gradient where torch has none"
+            continue
+        assert p.grad is not None, f"{name}: no gradient where torch has one"
+        assert p.grad.dtype == q.grad.dtype and p.grad.layout == q.grad.layout, name
+        a, b = (p.grad.to_dense(), q.grad.to_dense()) if p.grad.is_sparse else (p.grad, q.grad)
+        if exact:
+            assert torch.equal(a, b), f"{name} differs by {(a - b).abs().max()}"
+        else:
+            # Clipped by coefficients that differ in fp32 rounding (the norms' summation order).
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-7, msg=name)
+
+
+def all_in_buckets(buckets, model) -> bool:
+    """Every gradient (``side``'s may be None) is a view into the buckets."""
+    return all(in_buckets(buckets, p.grad) for p in model.parameters() if p.grad is not None)
+
+
+def in_buckets(buckets, t) -> bool:
+    return t.untyped_storage().data_ptr() in {b.untyped_storage().data_ptr() for b in buckets.buffers}
+
+
+def ref_norm(model, norm_type=2.0) -> float:
+    return ref_norms([p.grad for p in model.parameters() if p.grad is not None], norm_type)[0]
+
+
+def torch_norm(model, norm_type=2.0):
+    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None], norm_type)
+
+
+# --- the module cast or moved after construction ------------------------------------------------
+
+
+@pytest.mark.parametrize("cast", ["half", "double", "channels_last"])
+@pytest.mark.parametrize("with_grads", [True, False])
+def test_module_cast_after_construction_gives_torchs_answer(cast, with_grads):
+    conv = cast == "channels_last"
+    ours, theirs = pair(conv)
+    buckets = gradfuse.GradBuckets(ours.parameters(), bucket_cap_mb=0.001)
+    x = inputs(conv)
+    if with_grads:
+        backward(ours, x)
+        backward(theirs, x)
+
+    def apply(model):
+        if cast == "half":
+            return model.half()
+        if cast == "double":
+            return model.double()
+        return model.to(memory_format=torch.channels_last)
+
+    apply(ours)
+    apply(theirs)
+    dtype = next(theirs.parameters()).dtype
+    x = x.to(dtype)
+    if with_grads:  # the gradients moved with the module, out of the buckets
+        assert_grads_equal(ours, theirs)
+        assert close(buckets.get_total_norm().item(), ref_norm(theirs), REF_RTOL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backward(ours, x, scale=4.0)
+    backward(theirs, x, scale=4.0)
+    # A new dtype or memory format does not fit the old slots: kept outside, with a warning.
+    assert any("changed memory format after the buckets were built" in str(w.message) for w in caught)
+    assert_grads_equal(ours, theirs)
+    assert close(buckets.get_total_norm().item(), ref_norm(theirs), REF_RTOL)
+    buckets.clip_grad_norm_(0.01)
+    if cast == "half":  # torch's fp16 norm has 3 digits: compare the clipped norm instead
+        assert close(ref_norm(ours), 0.01, 1e-3)
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            q.grad = None if p.grad is None else p.grad.clone()  # continue from the same gradients
+    else:
+        torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.01)
+        assert_grads_equal(ours, theirs, exact=False)
+    # refresh() plans the buckets for the model as it is now, carrying the gradients over.
+    before = [None if p.grad is None else p.grad.clone() for p in ours.parameters()]
+    buckets.refresh()
+    assert all(b.dtype == dtype for b in buckets.buffers)
+    for p, b in zip(ours.parameters(), before, strict=True):
+        assert (p.grad is None and b is None) or (in_buckets(buckets, p.grad) and torch.equal(p.grad, b))
+    backward(ours, x)
+    backward(theirs, x)
+    assert all_in_buckets(buckets, ours)
+    assert_grads_equal(ours, theirs, exact=cast == "half")
+
+
+def test_main_grad_parameter_moved_raises_in_backward():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).bfloat16()
+    buckets = gradfuse.GradBuckets(model.parameters(), grad_dtype=torch.float32)
+    model.weight.data = torch.zeros(3, 2, dtype=torch.bfloat16)  # a different shape: not this slot
+    with pytest.raises(RuntimeError, match=r"params\[0\] .* call buckets.refresh\(\)"):
+        model(torch.ones(1, 2, dtype=torch.bfloat16)).sum().backward()
+    del buckets
+
+
+# --- gradients replaced, set to None --------------------------------------------------------------
+
+
+def test_replaced_grad_is_measured_and_clipped():
+    ours, theirs = pair()
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    x = inputs()
+    backward(ours, x)
+    backward(theirs, x)
+    p, q = ours.fc1.weight, theirs.fc1.weight
+    gen = torch.Generator().manual_seed(5)
+    replacement = torch.randn(p.shape, generator=gen) * 3
+    p.grad = replacement.clone()
+    q.grad = replacement.clone()
+    total = buckets.clip_grad_norm_(1.0)
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)
+    assert want.item() > 20  # the replacement dominates: the stale buffers' norm is far below
+    torch.testing.assert_close(total, want, rtol=RTOL, atol=0)
+    assert_grads_equal(ours, theirs, exact=False)  # the replacement clipped too
+    assert math.isclose(torch_norm(ours).item(), 1.0, rel_tol=1e-4)
+
+
+def test_total_norm_after_optimizer_zero_grad_is_zero():
+    ours, _ = pair()
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    backward(ours, inputs())
+    assert buckets.get_total_norm().item() > 0
+    torch.optim.SGD(ours.parameters(), lr=0.1).zero_grad()  # set_to_none
+    for norm_type in (2.0, 1.0, math.inf, 0.0, -1.0):
+        assert buckets.get_total_norm(norm_type).item() == 0.0, norm_type
+        assert buckets.clip_grad_norm_(1.0, norm_type).item() == 0.0
+    assert all(p.grad is None for p in ours.parameters())
+
+
+def test_some_grads_none_gives_torchs_norm_for_every_order():
+    ours, theirs = pair()
+    buckets = gradfuse.GradBuckets(ours.parameters(), bucket_cap_mb=0.001)
+    x = inputs()
+    backward(ours, x, side=True)
+    backward(theirs, x, side=True)
+    ours.fc1.weight.grad = None
+    theirs.fc1.weight.grad = None
+    for norm_type in (2.0, 3.0, math.inf, 0.0, -1.0, -math.inf):
+        want = torch.nn.utils.get_total_norm([p.grad for p in theirs.parameters() if p.grad is not None], norm_type)
+        torch.testing.assert_close(buckets.get_total_norm(norm_type), want, rtol=RTOL, atol=0)
+
+
+# --- zero_grad -------------------------------------------------------------------------------------
+
+
+def test_zero_grad_sets_to_none_so_adamw_leaves_unused_parameters_alone():
+    ours, theirs = pair()
+    buckets = gradfuse.GradBuckets(ours.parameters(), bucket_cap_mb=0.001)
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)
+    opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(6):
+        side = step < 2  # `side` gets gradients in the first two steps only
+        x = inputs(seed=step)
+        backward(ours, x, side)
+        backward(theirs, x, side)
+        # After the first step the weights differ by the clip coefficient's fp32 rounding.
+        assert_grads_equal(ours, theirs, exact=step == 0)
+        buckets.clip_grad_norm_(0.5)
+        torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5)
+        opt_ours.step()
+        opt_theirs.step()
+        buckets.zero_grad()
+        opt_theirs.zero_grad()
+        assert all(p.grad is None for p in ours.parameters())
+    # Within fp32 rounding of the clip coefficient (a different summation order of the norm).
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
+    side_ours = torch.cat([p.detach().flatten() for p in ours.side.parameters()])
+    side_theirs = torch.cat([p.detach().flatten() for p in theirs.side.parameters()])
+    assert torch.equal(side_ours, side_theirs) or torch.allclose(side_ours, side_theirs, rtol=1e-6, atol=0)
+
+
+# --- main_grad -------------------------------------------------------------------------------------
+
+
+def test_main_grad_is_cleared_by_buckets_zero_grad_and_a_missing_one_warns():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).bfloat16()
+    buckets = gradfuse.GradBuckets(model.parameters(), grad_dtype=torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the weights and gradients stay
+    x = torch.randn(4, 8).bfloat16()
+    model(x).float().square().sum().backward()
+    first = [p.main_grad.clone() for p in model.parameters()]
+    optimizer.step()
+    optimizer.zero_grad()  # does not clear main_grad
+    with pytest.warns(UserWarning, match=r"without buckets.zero_grad\(\).*main_grad is cleared by buckets.zero_grad"):
+        model(x).float().square().sum().backward()
+    for p, f in zip(model.parameters(), first, strict=True):
+        torch.testing.assert_close(p.main_grad, 2 * f, rtol=1e-6, atol=0)
+    optimizer.step()
+    buckets.zero_grad()
+    assert all(p.main_grad.count_nonzero() == 0 for p in model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).float().square().sum().backward()  # after buckets.zero_grad(): no warning
+    for p, f in zip(model.parameters(), first, strict=True):
+        assert torch.equal(p.main_grad, f)
+    # An optimizer over other parameters does not count.
+    other = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    buckets.zero_grad()
+    other.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).float().square().sum().backward()
+    buckets.remove()
+    del optimizer
+
+
+# --- ownership ---------------------------------------------------------------------------------------
+
+
+def test_a_second_owner_is_refused_until_the_first_is_removed():
+    ours, theirs = pair()
+    first = gradfuse.GradBuckets(ours.parameters())
+    grads_before = [p.grad for p in ours.parameters()]
+    with pytest.raises(ValueError, match=r"params\[0\] \(shape \(4, 3, 3, 3\)|params\[0\] .* already has its gradient"):
+        gradfuse.GradBuckets(list(ours.fc2.parameters()) + list(ours.fc1.parameters()))
+    assert [p.grad for p in ours.parameters()] == grads_before
+    first.remove()
+    second = gradfuse.GradBuckets(ours.parameters())
+    x = inputs()
+    backward(ours, x)
+    backward(theirs, x)
+    assert_grads_equal(ours, theirs)  # one set of hooks: no doubled gradients
+    assert all_in_buckets(second, ours)
+
+
+# --- frozen parameters, unfreezing --------------------------------------------------------------------
+
+
+def test_frozen_parameters_are_skipped_and_refresh_follows_unfreezing():
+    ours, theirs = pair()
+    for model in (ours, theirs):
+        model.fc1.requires_grad_(False)
+    buckets = gradfuse.GradBuckets(ours.parameters())  # no error: skipped, as DDP does
+    assert len(buckets.params) == 4
+    x = inputs()
+    backward(ours, x)
+    backward(theirs, x)
+    assert_grads_equal(ours, theirs)
+    # Unfrozen without refresh(): the gradient lands outside the buckets and is included.
+    for model in (ours, theirs):
+        model.fc1.requires_grad_(True)
+    backward(ours, x)
+    backward(theirs, x)
+    assert_grads_equal(ours, theirs)
+    assert not in_buckets(buckets, ours.fc1.weight.grad)
+    with pytest.warns(UserWarning, match=r"was frozen when the buckets were planned.*buckets.refresh\(\)"):
+        total = buckets.clip_grad_norm_(0.05)
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.05)
+    torch.testing.assert_close(total, want, rtol=RTOL, atol=0)
+    assert_grads_equal(ours, theirs, exact=False)
+    # refresh() plans it in, the gradients carried over; then the fast path again.
+    buckets.refresh()
+    assert len(buckets.params) == 6
+    assert all_in_buckets(buckets, ours)
+    assert_grads_equal(ours, theirs, exact=False)
+    backward(ours, x)
+    backward(theirs, x)
+    assert all_in_buckets(buckets, ours)
+    torch.testing.assert_close(buckets.get_total_norm(), torch_norm(theirs), rtol=RTOL, atol=0)
+    # Freezing again: refresh() leaves it out, its gradient where it is (as torch leaves it).
+    ours.fc2.requires_grad_(False)
+    buckets.refresh()
+    assert len(buckets.params) == 4 and ours.fc2.weight.grad is not None
+
+
+# --- sparse gradients ------------------------------------------------------------------------------------
+
+
+class WithEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids)).square().mean()
+
+
+def test_sparse_gradients_stay_sparse_and_are_measured_and_clipped():
+    torch.manual_seed(0)
+    ours, theirs = WithEmbedding(), WithEmbedding()
+    theirs.load_state_dict(ours.state_dict())
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    for step in range(2):  # the second backward accumulates into the sparse gradient
+        ids = torch.randint(0, 50, (7,), generator=torch.Generator().manual_seed(step))
+        ours(ids).backward()
+        theirs(ids).backward()
+    assert ours.emb.weight.grad.is_sparse
+    assert_grads_equal(ours, theirs)
+    for norm_type in (2.0, math.inf, 1.0):
+        want = torch.nn.utils.get_total_norm([p.grad for p in theirs.parameters()], norm_type)
+        torch.testing.assert_close(buckets.get_total_norm(norm_type), want, rtol=RTOL, atol=0)
+    total = buckets.clip_grad_norm_(1e-3)
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1e-3)
+    torch.testing.assert_close(total, want, rtol=RTOL, atol=0)
+    assert_grads_equal(ours, theirs, exact=False)
+    buckets.zero_grad()
+    assert ours.emb.weight.grad is None
+
+
+# --- grad_dtype, create_graph ------------------------------------------------------------------------
+
+
+def test_parameter_grad_dtype_is_followed():
+    ours, theirs = pair(dtype=torch.bfloat16)
+    for model in (ours, theirs):
+        model.fc1.weight.grad_dtype = torch.float32
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    assert ours.fc1.weight.grad is None
+    x = inputs(dtype=torch.bfloat16)
+    for _ in range(2):
+        backward(ours, x)
+        backward(theirs, x)
+    assert ours.fc1.weight.grad.dtype == torch.float32
+    assert all_in_buckets(buckets, ours)
+    assert_grads_equal(ours, theirs)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_keeps_the_grad_fn():
+    ours, theirs = pair()
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    x = inputs()
+    backward(ours, x)  # first a plain backward: the gradients are bucket views
+    backward(theirs, x)
+    for model in (ours, theirs):
+        model(x).pow(3).mean().backward(create_graph=True)
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None
+            continue
+        assert (p.grad.grad_fn is None) == (q.grad.grad_fn is None), name
+        assert torch.equal(p.grad, q.grad), name
+    assert ours.fc1.weight.grad.grad_fn is not None
+    # The graph is usable: a gradient penalty's second backward gives torch's gradients.
+    penalty_ours = sum(p.grad.square().sum() for p in ours.parameters() if p.grad is not None)
+    penalty_theirs = sum(p.grad.square().sum() for p in theirs.parameters() if p.grad is not None)
+    grads_ours = torch.autograd.grad(penalty_ours, list(ours.parameters()), allow_unused=True)
+    grads_theirs = torch.autograd.grad(penalty_theirs, list(theirs.parameters()), allow_unused=True)
+    for a, b in zip(grads_ours, grads_theirs, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    torch.testing.assert_close(buckets.get_total_norm(), torch_norm(theirs), rtol=RTOL, atol=0)
+    total = buckets.clip_grad_norm_(0.01)
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.01)
+    torch.testing.assert_close(total, want, rtol=RTOL, atol=0)
+    assert_grads_equal(ours, theirs, exact=False)
+    for p in [*ours.parameters(), *theirs.parameters()]:
+        p.grad = None  # break the grad -> graph -> parameter cycle
+
+
+def test_create_graph_with_main_grad_raises():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).bfloat16()
+    buckets = gradfuse.GradBuckets(model.parameters(), grad_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match=r"params\[\d\] .*create_graph=True.*would drop the graph"):
+        model(torch.randn(2, 4).bfloat16()).pow(3).sum().backward(create_graph=True)
+    buckets.remove()
+    for p in model.parameters():
+        p.grad = None
