@@ -424,3 +424,38 @@ def test_create_graph_with_main_grad_raises():
     buckets.remove()
     for p in model.parameters():
         p.grad = None
+
+
+def test_all_frozen_at_construction_then_refresh():
+    ours, theirs = pair()
+    for model in (ours, theirs):
+        model.requires_grad_(False)
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    assert buckets.buffers == [] and buckets.get_total_norm().item() == 0.0
+    assert buckets.clip_grad_norm_(1.0).item() == 0.0
+    for model in (ours, theirs):
+        model.requires_grad_(True)
+    buckets.refresh()
+    x = inputs()
+    backward(ours, x)
+    backward(theirs, x)
+    assert_grads_equal(ours, theirs)
+    assert all_in_buckets(buckets, ours)
+
+
+def test_drop_in_over_the_trainable_parameters_ignores_a_frozen_parameters_gradient():
+    """The drop-in's bucket path answers for the gradients it was given: a frozen parameter's
+    gradient, which the bucket methods include, sends it the ordinary way."""
+    ours, theirs = pair()
+    for model in (ours, theirs):
+        model.side.requires_grad_(False)
+    gradfuse.GradBuckets(ours.parameters())
+    x = inputs()
+    backward(ours, x)
+    backward(theirs, x)
+    for model in (ours, theirs):
+        model.side.weight.grad = torch.full_like(model.side.weight, 10.0)
+    total = gradfuse.clip_grad_norm_([p for p in ours.parameters() if p.requires_grad], 0.01)
+    want = torch.nn.utils.clip_grad_norm_([p for p in theirs.parameters() if p.requires_grad], 0.01)
+    torch.testing.assert_close(total, want, rtol=RTOL, atol=0)
+    assert_grads_equal(ours, theirs, exact=False)

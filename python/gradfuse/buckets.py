@@ -542,7 +542,7 @@ class GradBuckets:
         norm_type = P.check_norm_type("GradBuckets.clip_grad_norm_", norm_type)
         with torch.no_grad():
             if self._all_live():
-                if process_group is None and norm_type > 0:
+                if process_group is None and norm_type > 0 and self._buffers:
                     return torch.ops.gradfuse.clip_grad_norm_(self._buffers, max_norm, norm_type, error_if_nonfinite)
                 total = self._total(
                     self._buffers if norm_type > 0 else self._slots, [], norm_type, error_if_nonfinite, process_group
