@@ -119,13 +119,14 @@ def _check_cap(bucket_cap_mb) -> int:
     return max(1, int(cap * 1024 * 1024))
 
 
-def _slot_dtype(p: Tensor, grad_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype of ``p``'s slot: ``grad_dtype`` when given (``main_grad`` if it differs from
-    ``p.dtype``), else the dtype autograd gives ``p.grad`` (``p.grad_dtype`` when it is set)."""
-    if grad_dtype is not None:
-        return grad_dtype
+def _slot_dtype(p: Tensor, grad_dtype: torch.dtype | None) -> tuple[torch.dtype, bool]:
+    """The dtype of ``p``'s slot, and whether it is ``main_grad``: ``grad_dtype`` when given and
+    not ``p.dtype`` (``main_grad``), else the dtype autograd gives ``p.grad`` (``p.grad_dtype``
+    when it is set)."""
+    if grad_dtype is not None and grad_dtype != p.dtype:
+        return grad_dtype, True
     own = getattr(p, "grad_dtype", None)
-    return own if own is not None else p.dtype
+    return (own if own is not None else p.dtype), False
 
 
 def _slot(buffer: Tensor, offset: int, p: Tensor) -> Tensor:
@@ -213,10 +214,12 @@ class GradBuckets:
         """Plans buckets for the parameters that require grad, as they are now, allocates them
         and attaches the views, carrying over the gradients already there (``main_grad`` and
         ``grad``); a gradient that cannot live in a slot (sparse, graph-carrying) stays where it is."""
-        params = [p for p in self._given if p.requires_grad]
+        at = [i for i, p in enumerate(self._given) if p.requires_grad]
+        params = [self._given[i] for i in at]
         frozen = [p for p in self._given if not p.requires_grad]
-        dtypes = [_slot_dtype(p, self._grad_dtype) for p in params]
-        main = [g != p.dtype and self._grad_dtype is not None for g, p in zip(dtypes, params, strict=True)]
+        dtypes, main = (
+            map(list, zip(*(_slot_dtype(p, self._grad_dtype) for p in params), strict=True)) if params else ([], [])
+        )
         device = params[0].device if params else self._given[0].device
         from . import _rust
 
@@ -266,6 +269,8 @@ class GradBuckets:
             if id(getattr(p, "main_grad", None)) in ours:
                 del p.main_grad  # a frozen parameter has no gradient in the buckets
         self.params = params
+        #: Each planned parameter's index in the ``params`` given (for messages).
+        self._at = at
         self.device = device
         self.grad_dtypes = dtypes
         self._frozen = frozen
@@ -366,13 +371,13 @@ class GradBuckets:
                 )
             if grad.requires_grad:
                 raise RuntimeError(
-                    f"GradBuckets: {_describe(i, param)} got a gradient with an autograd graph "
+                    f"GradBuckets: {_describe(self._at[i], param)} got a gradient with an autograd graph "
                     "(backward(create_graph=True)); folding it into main_grad would drop the graph. "
                     "Use GradBuckets without grad_dtype (or none) for double backward"
                 )
             if grad.shape != slot.shape or grad.device != slot.device:
                 raise RuntimeError(
-                    f"GradBuckets: {_describe(i, param)} is now {tuple(grad.shape)} on {grad.device}, but its "
+                    f"GradBuckets: {_describe(self._at[i], param)} is now {tuple(grad.shape)} on {grad.device}, but its "
                     f"main_grad was planned as {tuple(slot.shape)} on {slot.device}; call buckets.refresh() "
                     "after moving the model (or remove() the buckets and build new ones)"
                 )
@@ -392,7 +397,7 @@ class GradBuckets:
             if grad.layout == torch.strided and not grad.requires_grad and i not in self._warned:
                 self._warned.add(i)
                 warnings.warn(
-                    f"GradBuckets: {_describe(i, param)} got a {str(grad.dtype).removeprefix('torch.')} "
+                    f"GradBuckets: {_describe(self._at[i], param)} got a {str(grad.dtype).removeprefix('torch.')} "
                     f"gradient of shape {tuple(grad.shape)} on {grad.device}, but its slot is "
                     f"{str(slot.dtype).removeprefix('torch.')} {tuple(slot.shape)} with strides {slot.stride()} "
                     f"on {slot.device} (the model was cast, moved or changed memory format after the buckets "
