@@ -377,8 +377,8 @@ class GradBuckets:
                 )
             if grad.shape != slot.shape or grad.device != slot.device:
                 raise RuntimeError(
-                    f"GradBuckets: {_describe(self._at[i], param)} is now {tuple(grad.shape)} on {grad.device}, but its "
-                    f"main_grad was planned as {tuple(slot.shape)} on {slot.device}; call buckets.refresh() "
+                    f"GradBuckets: {_describe(self._at[i], param)} is now {tuple(grad.shape)} on {grad.device}, "
+                    f"but its main_grad was planned as {tuple(slot.shape)} on {slot.device}; call buckets.refresh() "
                     "after moving the model (or remove() the buckets and build new ones)"
                 )
             with torch.no_grad():
