@@ -459,3 +459,125 @@ def test_drop_in_over_the_trainable_parameters_ignores_a_frozen_parameters_gradi
     want = torch.nn.utils.clip_grad_norm_([p for p in theirs.parameters() if p.requires_grad], 0.01)
     torch.testing.assert_close(total, want, rtol=RTOL, atol=0)
     assert_grads_equal(ours, theirs, exact=False)
+
+
+@pytest.mark.cuda
+def test_module_moved_to_cuda_after_construction():
+    ours, theirs = pair()
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    x = inputs()
+    backward(ours, x)
+    backward(theirs, x)
+    ours.cuda()
+    theirs.cuda()
+    x = x.cuda()
+    assert close(buckets.get_total_norm().item(), ref_norm(theirs), REF_RTOL)
+    with pytest.warns(UserWarning, match="cast, moved or changed memory format"):
+        backward(ours, x)
+    backward(theirs, x)
+    assert_grads_equal(ours, theirs)
+    assert close(buckets.get_total_norm().item(), ref_norm(theirs), REF_RTOL)
+    buckets.refresh()
+    assert all(b.is_cuda for b in buckets.buffers) and all_in_buckets(buckets, ours)
+    backward(ours, x)
+    backward(theirs, x)
+    assert_grads_equal(ours, theirs)
+
+
+# --- randomized: a training loop's moves against torch -------------------------------------------
+
+
+class Tied(nn.Module):
+    """A weight used twice (tied), a branch used only when asked, an embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 12)
+        self.shared = nn.Linear(12, 12)
+        self.branch = nn.Linear(12, 12)
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, ids, branch: bool):
+        h = torch.tanh(self.shared(self.emb(ids)))
+        h = self.shared(h)
+        if branch:
+            h = h + self.branch(h)
+        return self.out(h).square().mean()
+
+
+def test_random_loop_matches_torch():
+    """Two hundred moves drawn at random (backward with or without the branch, the three ways
+    of zeroing, replaced and None gradients, freezing and unfreezing with refresh(), clipping
+    and norms of every order, optimizer steps), each compared with torch on a copy of the
+    model. After each check torch's copy takes our values, so that a clip coefficient's fp32
+    rounding (the norm's summation order) does not build up."""
+    import random
+
+    rng = random.Random(13)
+    torch.manual_seed(0)
+    ours, theirs = Tied(), Tied()
+    theirs.load_state_dict(ours.state_dict())
+    buckets = gradfuse.GradBuckets(ours.parameters(), bucket_cap_mb=0.002)
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-3)
+    opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
+    names = [n for n, _ in ours.named_parameters()]
+    pairs = list(zip(ours.parameters(), theirs.parameters(), strict=True))
+    moves = ["backward"] * 6 + ["zero", "zero_keep", "opt_zero", "replace", "none", "freeze", "clip", "norm", "step"]
+    for move_no in range(200):
+        move = rng.choice(moves)
+        if move == "backward":
+            ids = torch.randint(0, 20, (5,), generator=torch.Generator().manual_seed(move_no))
+            branch = rng.random() < 0.5
+            ours(ids, branch).backward()
+            theirs(ids, branch).backward()
+        elif move == "zero":
+            buckets.zero_grad()
+            opt_theirs.zero_grad()
+        elif move == "zero_keep":
+            buckets.zero_grad(set_to_none=False)
+            opt_theirs.zero_grad(set_to_none=False)
+        elif move == "opt_zero":
+            opt_ours.zero_grad()
+            opt_theirs.zero_grad()
+        elif move in ("replace", "none"):
+            k = rng.randrange(len(pairs))
+            p, q = pairs[k]
+            if move == "none" or not p.requires_grad:
+                p.grad = q.grad = None
+            else:
+                g = torch.randn(p.shape, generator=torch.Generator().manual_seed(move_no))
+                p.grad, q.grad = g.clone(), g.clone()
+        elif move == "freeze":
+            name = rng.choice(["branch", "shared", "emb"])
+            flag = not getattr(ours, name).weight.requires_grad
+            getattr(ours, name).requires_grad_(flag)
+            getattr(theirs, name).requires_grad_(flag)
+            if rng.random() < 0.7:
+                buckets.refresh()
+        elif move in ("clip", "norm"):
+            norm_type = rng.choice([2.0, 1.0, math.inf, 0.0, -1.0])
+            present = [q.grad for q in theirs.parameters() if q.grad is not None]
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "GradBuckets: .* was frozen", UserWarning)
+                if move == "clip":
+                    total = buckets.clip_grad_norm_(0.05, norm_type)
+                    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.05, norm_type)
+                else:
+                    total = buckets.get_total_norm(norm_type)
+                    want = torch.nn.utils.get_total_norm(present, norm_type)
+            if present:
+                torch.testing.assert_close(total, want, rtol=RTOL, atol=0, msg=f"move {move_no}: {move} {norm_type}")
+            else:
+                assert total.item() == 0.0, f"move {move_no}: {move} with no gradients"
+        else:
+            opt_ours.step()
+            opt_theirs.step()
+        for name, (p, q) in zip(names, pairs, strict=True):
+            assert (p.grad is None) == (q.grad is None), f"move {move_no} ({move}): {name}"
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=1e-7, msg=f"move {move_no} ({move}): {name}")
+                with torch.no_grad():
+                    q.grad.copy_(p.grad)
+            torch.testing.assert_close(p, q, rtol=RTOL, atol=1e-7, msg=f"move {move_no} ({move}): {name} weights")
+            with torch.no_grad():
+                q.copy_(p)
