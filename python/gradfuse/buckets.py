@@ -199,6 +199,7 @@ class GradBuckets:
         #: Every parameter given, trainable or not (frozen ones are planned by ``refresh``).
         self._given = given
         self._handles: list = []
+        #: Indices (in the ``params`` given) already warned about, once per plan.
         self._warned: set[int] = set()
         #: An optimizer stepped over a ``main_grad`` parameter since the last ``zero_grad``.
         self._stepped = False
@@ -299,6 +300,7 @@ class GradBuckets:
             _LIVE[id(views[0])] = self
         if self._main_params:
             self._step_handle = register_optimizer_step_post_hook(_StepWatch(self))
+            weakref.finalize(self, self._step_handle.remove)  # torch's hook list outlives the set
 
     def _clear_registration(self) -> None:
         for handle in self._handles:
@@ -394,8 +396,8 @@ class GradBuckets:
         if not _fits(grad, slot) or param.stride() != slot.stride():
             # Sparse, graph-carrying, or cast/moved/reformatted since the plan: it stays in
             # .grad, where torch put it, and the methods include it from there.
-            if grad.layout == torch.strided and not grad.requires_grad and i not in self._warned:
-                self._warned.add(i)
+            if grad.layout == torch.strided and not grad.requires_grad and self._at[i] not in self._warned:
+                self._warned.add(self._at[i])
                 warnings.warn(
                     f"GradBuckets: {_describe(self._at[i], param)} got a {str(grad.dtype).removeprefix('torch.')} "
                     f"gradient of shape {tuple(grad.shape)} on {grad.device}, but its slot is "
