@@ -327,8 +327,10 @@ class GradBuckets:
     def refresh(self) -> None:
         """Plans the buckets again for the parameters as they are now: those that require grad
         (follow an unfreezing schedule), with their current dtype, shape and device (after
-        ``model.to()``, ``.half()``, ``grad_dtype``). The gradients are carried over; read
-        :attr:`buffers` again afterwards."""
+        ``model.to()``, ``.half()``, channels_last, ``grad_dtype``). The gradients are carried
+        over; read :attr:`buffers` again afterwards. (Under torch's
+        ``set_overwrite_module_params_on_conversion(True)``, ``model.to()`` makes new parameter
+        objects, which neither the optimizer nor these buckets hold: build both again.)"""
         _check_kinds(self._given)
         self._plan()
 
