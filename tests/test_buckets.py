@@ -352,17 +352,23 @@ def test_a_replaced_grad_is_never_clipped_through_a_stale_view(monkeypatch, how)
         (lambda: [nn.Parameter(torch.ones(3))], {"grad_dtype": torch.int32}, TypeError, "grad_dtype"),
         (lambda: [], {}, ValueError, "no parameters"),
         (
-            lambda: [nn.Parameter(torch.ones(3)), torch.ones(2, dtype=torch.int64)],
-            {"bucket_cap_mb": "x"},
-            ValueError,
-            "could not convert",
+            lambda: [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3).to_sparse())],
+            {},
+            TypeError,
+            r"params\[1\] is a Parameter with layout torch.sparse_coo; buckets hold dense",
+        ),
+        (
+            lambda: [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, dtype=torch.complex64))],
+            {},
+            TypeError,
+            r"params\[1\] has dtype torch.complex64",
         ),
     ],
 )
 def test_bad_input_raises_and_modifies_nothing(make, kw, error, match):
     params = make()
     for p in params:
-        if p.requires_grad and p.device.type == "cpu":
+        if p.requires_grad and p.device.type == "cpu" and p.layout == torch.strided and p.is_floating_point():
             p.grad = torch.full_like(p, 2.0)
     grads = [p.grad for p in params]
     with pytest.raises(error, match=match):
