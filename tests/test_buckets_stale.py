@@ -581,3 +581,19 @@ def test_random_loop_matches_torch():
             torch.testing.assert_close(p, q, rtol=RTOL, atol=1e-7, msg=f"move {move_no} ({move}): {name} weights")
             with torch.no_grad():
                 q.copy_(p)
+
+
+def test_refresh_refuses_parameters_it_cannot_plan_and_changes_nothing():
+    ours, _ = pair()
+    ours.side.requires_grad_(False)
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    x = inputs()
+    backward(ours, x)
+    before = ([b.clone() for b in buckets.buffers], [p.grad for p in ours.parameters()])
+    ours.side.weight.data = ours.side.weight.data.to(torch.complex64)
+    ours.side.requires_grad_(True)
+    with pytest.raises(TypeError, match=r"params\[4\] has dtype torch.complex64"):
+        buckets.refresh()
+    assert all(torch.equal(a, b) for a, b in zip(buckets.buffers, before[0], strict=True))
+    assert all(p.grad is g for p, g in zip(ours.parameters(), before[1], strict=True))
+    assert len(buckets.params) == 4
