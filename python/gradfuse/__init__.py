@@ -24,6 +24,7 @@ from .ops import (
     unscale_and_check_,
     unscale_and_clip_,
     unscale_check_norm,
+    unscale_norm_,
 )
 from .scaler import GradScaler
 from .train import TrainConfig, Trainer
@@ -49,4 +50,5 @@ __all__ = [
     "unscale_and_check_",
     "unscale_and_clip_",
     "unscale_check_norm",
+    "unscale_norm_",
 ]
