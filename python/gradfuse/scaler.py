@@ -16,6 +16,9 @@ state dict saved by either loads into the other. Two things change:
   device, and ``step`` hands the optimizer ``grad_scale = scale / clip_coef``, which it
   divides the gradients by as it reads them. Otherwise the gradients are unscaled and clipped
   in place, in two passes (a read, then one write of ``grad * inv_scale * clip_coef``).
+  Gradients that a DDP with gradfuse's hook (``gradfuse.register_ddp_hook``) has just reduced
+  were measured during backward: no read pass at all then (the norm is the hook's times
+  ``inv_scale``, ``found_inf`` the hook's), and the write pass, if any, runs over DDP's buckets.
 
 Clipping without loss scaling (bf16 or fp32 training) is the same call on a disabled scaler,
 ``GradScaler(enabled=False)``: ``scale`` returns the loss unchanged, ``update`` does nothing,
@@ -37,6 +40,7 @@ from torch.amp.grad_scaler import OptState
 
 from . import _plan as P
 from .clip import _TORCHS, _check_all, _combine_totals, _fused_groups
+from .ddp_hook import DDPHookState, state_for
 from .ops import check_max_norm, multi_tensor_scale_, unscale_and_check_, unscale_and_clip_, unscale_check_norm
 
 Tensor = torch.Tensor
@@ -157,6 +161,9 @@ class GradScaler(torch.amp.GradScaler):
             inv_scale = scale.double().reciprocal().float()  # in fp64 then rounded, as torch's unscale_
         else:
             scale = inv_scale = torch.ones((), dtype=torch.float32, device=first)
+        hook = state_for(grads, norm_type)
+        if hook is not None:
+            return self._clip_from_hook(optimizer, hook, scale, inv_scale, max_norm)
         try:
             with torch.no_grad():
                 _check_all(groups)
@@ -176,6 +183,25 @@ class GradScaler(torch.amp.GradScaler):
         except _TORCHS:
             return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type)
         self._record(optimizer, found, grad_scale)
+        return total
+
+    def _clip_from_hook(
+        self, optimizer, hook: DDPHookState, scale: Tensor, inv_scale: Tensor, max_norm: float
+    ) -> Tensor:
+        """The gradients are those a DDP with gradfuse's hook has just reduced, and the hook has
+        measured them during backward: no pass over them here. The unscaled norm is the hook's
+        norm times ``inv_scale``; ``found_inf`` is the hook's. A fused optimizer then divides by
+        ``scale / clip_coef`` as it reads; otherwise one write pass over DDP's bucket buffers."""
+        found = hook.found_inf()
+        with torch.no_grad():
+            total = hook.total_norm() * inv_scale
+            coef = clip_coef(total, max_norm)
+            if _folds(optimizer):
+                grad_scale = (scale / coef).float()
+            else:
+                grad_scale = None
+                multi_tensor_scale_(hook.buffers, (inv_scale * coef).float())
+        self._record(optimizer, {found.device: found}, grad_scale)
         return total
 
     @staticmethod
