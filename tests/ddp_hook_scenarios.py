@@ -200,7 +200,7 @@ def stale_gradient_of_a_parameter_unused_everywhere(rank, world):
     """A parameter unused on every rank that still holds a gradient on rank 1 only: DDP sums
     that stale gradient into its bucket slot, which rank 0 (no gradient there) must not count.
     The state refuses, and the drop-in reads the gradients: torch's answer."""
-    ours, state, theirs = pair(lambda: Net(unused=True), find_unused_parameters=True)
+    ours, _state, theirs = pair(lambda: Net(unused=True), find_unused_parameters=True)
     step_both(ours, theirs, batch(rank, 0), use_extra=True)
     if rank == 0:
         for m in (ours, theirs):
@@ -324,7 +324,7 @@ def reentrant_checkpoint_with_a_shared_weight(rank, world):
     error, and the state offers nothing."""
     errors = {}
     for which in ("theirs", "ours"):
-        ours, state, theirs = pair(lambda: SharedInCheckpoint())
+        ours, _state, theirs = pair(lambda: SharedInCheckpoint())
         model = ours if which == "ours" else theirs
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank)).requires_grad_()
         try:
@@ -344,7 +344,7 @@ def cast_after_construction(rank, world):
     for cast in ("double", "channels_last"):
         outcomes = {}
         for which in ("theirs", "ours"):
-            ours, state, theirs = pair(lambda: ConvNet())
+            ours, _state, theirs = pair(lambda: ConvNet())
             model = ours if which == "ours" else theirs
             x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(rank))
             model(x).square().sum().backward()
@@ -409,7 +409,7 @@ def layouts_that_differ_across_ranks_raise(rank, world):
 def buffers_are_broadcast(rank, world):
     """Case 7: BatchNorm running statistics are rank 0's on every rank after each forward (DDP's
     ``broadcast_buffers``), with the hook as without."""
-    ours, state, theirs = pair(lambda: ConvNet())
+    ours, _state, theirs = pair(lambda: ConvNet())
     for step in range(2):
         x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(10 * step + rank))
         ours(x).square().sum().backward()

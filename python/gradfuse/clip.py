@@ -334,8 +334,9 @@ def clip_grad_norm_(
     When the gradients are exactly the views of a live :class:`gradfuse.GradBuckets`, both
     passes run over its few flat buffers. When they are exactly those a DDP with
     :func:`gradfuse.register_ddp_hook` has just reduced (untouched since, and ``norm_type`` the
-    hook's), the norm is the hook's and only the scale pass runs, over DDP's bucket buffers. ``process_group``: the gradients are this rank's
-    shard and the norm is over every rank's (see :func:`get_total_norm`).
+    hook's), the norm is the hook's and only the scale pass runs, over DDP's bucket buffers.
+    ``process_group``: the gradients are this rank's shard and the norm is over every rank's
+    (see :func:`get_total_norm`).
     """
     parameters = _parameters(parameters, warn_empty_generator=True)
     grads = _grads(parameters)
