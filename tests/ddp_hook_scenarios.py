@@ -14,6 +14,8 @@ from __future__ import annotations
 import copy
 import datetime
 import math
+import random
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -80,7 +82,10 @@ def assert_same_grads(ours: nn.Module, theirs: nn.Module, what: str) -> None:
             assert p.grad is None, f"{what}: {name} has a gradient where DDP has none"
             continue
         assert p.grad is not None, f"{what}: {name} has no gradient where DDP has one"
-        assert torch.equal(p.grad, q.grad), f"{what}: {name} differs by {(p.grad - q.grad).abs().max()}"
+        same = torch.equal(p.grad, q.grad) or (
+            torch.equal(p.grad.isnan(), q.grad.isnan()) and torch.equal(p.grad.nan_to_num(), q.grad.nan_to_num())
+        )  # bit for bit, NaN where DDP has NaN (an overflow step)
+        assert same, f"{what}: {name} differs by {(p.grad - q.grad).abs().max()}"
 
 
 def assert_norm(state, theirs: nn.Module, what: str) -> None:
@@ -424,6 +429,157 @@ def buffers_are_broadcast(rank, world):
     assert torch.equal(everyone[0], everyone[1])
     assert torch.equal(mine, theirs.module.bn.running_mean)
     assert_same_grads(ours, theirs, "conv net")
+
+
+def _scaler_pair(ours, theirs, fused: bool, init_scale: float = 2.0**8, growth_interval: int = 2000):
+    def optimizer(model):
+        if fused:
+            return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+
+    return (
+        (optimizer(ours), gradfuse.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)),
+        (optimizer(theirs), torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)),
+    )
+
+
+def _same_weights_from_here(ours, opt_o, theirs, opt_t) -> None:
+    """Put theirs on ours' weights and optimizer state, so that the next step's gradients can be
+    compared bit for bit (the two clips round their norms differently, so weights drift by ulps)."""
+    with torch.no_grad():
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            q.copy_(p)
+    opt_t.load_state_dict(copy.deepcopy(opt_o.state_dict()))  # load_state_dict would share the tensors
+
+
+def _assert_close_weights(ours, theirs, what: str) -> None:
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        # One step apart from the same weights; the clip coefficients differ by the norms' ulps.
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{what}: {n}: {m}")
+
+
+def scaler_folds_the_clip_into_the_optimizer(rank, world):
+    """``GradScaler.unscale_and_clip_`` on gradients the hook measured reads none of them: the
+    norm it returns is the hook's times ``inv_scale``, bit for bit, and ``found_inf`` is the
+    hook's (an inf on rank 1 only: both ranks skip the step and back off, as torch's scaler
+    does). With fused AdamW the clip is folded into the optimizer's read; with a plain SGD one
+    write pass runs over DDP's buckets. Weights as torch's ``unscale_`` + ``clip_grad_norm_`` +
+    step on plain DDP."""
+    for fused in (True, False):
+        ours, state, theirs = pair()
+        (opt_o, sc_o), (opt_t, sc_t) = _scaler_pair(ours, theirs, fused)
+        for step in range(5):
+            overflow = step == 3
+            x = batch(rank, step)
+            for model, opt, sc in ((ours, opt_o, sc_o), (theirs, opt_t, sc_t)):
+                opt.zero_grad()
+                loss = model(x).square().sum()
+                if overflow and rank == 1:
+                    loss = loss * math.inf
+                sc.scale(loss).backward()
+            if not overflow:
+                assert_same_grads(ours, theirs, f"fused={fused} step {step}")
+            assert state_for(grads(ours), 2.0) is state
+            inv = torch.tensor(1.0 / sc_o.get_scale(), dtype=torch.float32)
+            total = sc_o.unscale_and_clip_(opt_o, 0.5)
+            torch.testing.assert_close(total, state.total_norm() * inv, rtol=0, atol=0, equal_nan=True)
+            assert sc_o.found_inf(opt_o).item() == float(overflow)
+            sc_t.unscale_(opt_t)
+            want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5)
+            if not overflow:
+                assert math.isclose(total.item(), want.item(), rel_tol=NORM_RTOL), (total, want)
+            for sc, opt in ((sc_o, opt_o), (sc_t, opt_t)):
+                sc.step(opt)
+                sc.update()
+            assert sc_o.get_scale() == sc_t.get_scale(), (sc_o.get_scale(), sc_t.get_scale())
+            _assert_close_weights(ours, theirs, f"fused={fused} step {step}")
+            _same_weights_from_here(ours, opt_o, theirs, opt_t)
+
+
+class TiedNet(nn.Module):
+    """Tied input and output embeddings; ``extra`` used when asked; a ``Boom`` point that raises
+    in forward when asked."""
+
+    def __init__(self, vocab: int = 20, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.body = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d))
+        self.extra = nn.Linear(d, d)
+        self.out = nn.Linear(d, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tokens, use_extra=False, fail=False):
+        h = self.body(self.emb(tokens))
+        if fail:
+            raise ValueError("failed in forward")
+        if use_extra:
+            h = h + self.extra(h)
+        return self.out(h)
+
+
+def randomized_against_ddp(rank, world):
+    """A few hundred steps drawing from: gradient accumulation under ``no_sync``, parameters
+    unused on some ranks or all, an exception in forward (caught), every ``zero_grad``
+    variant, a frozen layer, fp16-style loss scaling with overflows on one rank, tied weights;
+    fused AdamW with the scaler's folded clip. Every step: gradients bit for bit DDP's, the
+    norm torch's, the same overflow decision and loss scale, weights one step from the same
+    start equal to torch's to the clip's rounding."""
+    rng = random.Random(2024)  # the same draws on every rank
+    ours, state, theirs = pair(lambda: TiedNet(), find_unused_parameters=True)
+    (opt_o, sc_o), (opt_t, sc_t) = _scaler_pair(ours, theirs, fused=True, init_scale=2.0**6, growth_interval=4)
+    fast = 0
+    steps = 200
+    for step in range(steps):
+        micro = rng.choice([1, 1, 2, 3])
+        extra_on = rng.choice(["none", "rank0", "all"])
+        frozen = rng.random() < 0.15
+        # Every step starts from zeroed gradients: the folded clip leaves them scaled where
+        # torch's unscale_ rewrites them, so gradients kept across steps would differ by design.
+        zero_mode = rng.choice(["module", "zeros", "optimizer", "optimizer-zeros"])
+        fail_at = rng.randrange(micro) if rng.random() < 0.08 else None
+        overflow_rank = rng.choice([0, 1]) if rng.random() < 0.1 else None
+        max_norm = rng.choice([0.05, 1.0, 1e3])
+        for model, opt, sc in ((ours, opt_o, sc_o), (theirs, opt_t, sc_t)):
+            if zero_mode == "module":
+                model.zero_grad()
+            elif zero_mode == "zeros":
+                model.zero_grad(set_to_none=False)
+            elif zero_mode == "optimizer":
+                opt.zero_grad()
+            else:
+                opt.zero_grad(set_to_none=False)
+            model.module.body[0].requires_grad_(not frozen)
+            for i in range(micro):
+                gen = torch.Generator().manual_seed(1000 * step + 10 * i + rank)
+                tokens = torch.randint(0, 20, (4, 5), generator=gen)
+                use_extra = extra_on == "all" or (extra_on == "rank0" and rank == 0)
+                sync = i == micro - 1
+                with nullcontext() if sync else model.no_sync():
+                    try:
+                        logits = model(tokens, use_extra=use_extra, fail=fail_at == i and not sync)
+                    except ValueError:
+                        continue
+                    loss = logits.square().mean()
+                    if overflow_rank == rank and sync:
+                        loss = loss * math.inf
+                    sc.scale(loss).backward()
+        assert_same_grads(ours, theirs, f"step {step}")
+        if state_for(grads(ours), 2.0) is state:
+            fast += 1
+        total = sc_o.unscale_and_clip_(opt_o, max_norm)
+        sc_t.unscale_(opt_t)
+        want = torch.nn.utils.clip_grad_norm_([p for p in theirs.parameters() if p.grad is not None], max_norm)
+        found = sc_o.found_inf(opt_o).item()
+        assert found == float(not math.isfinite(want.item())), (step, found, want)
+        if found == 0.0:
+            assert math.isclose(total.item(), want.item(), rel_tol=NORM_RTOL), (step, total, want)
+        for sc, opt in ((sc_o, opt_o), (sc_t, opt_t)):
+            sc.step(opt)
+            sc.update()
+        assert sc_o.get_scale() == sc_t.get_scale(), step
+        _assert_close_weights(ours, theirs, f"step {step}")
+        _same_weights_from_here(ours, opt_o, theirs, opt_t)
+    assert fast > steps // 3, f"the hook's norm was used on only {fast} of {steps} steps"
 
 
 def bad_registration_raises(rank, world):
