@@ -183,7 +183,7 @@ def unused_parameters(rank, world):
     DDP), ``never`` on no rank (no gradient anywhere). Orders 2 and -1: the negative order is
     refused by the state when some parameter has no gradient (its zero slot would decide the
     norm), and the drop-in then reads the gradients and gives torch's answer."""
-    for p in (2.0, -1.0):
+    for p in (2.0, 0.0, -1.0, -math.inf):
         ours, state, theirs = pair(lambda: Net(unused=True), norm_type=p, find_unused_parameters=True)
         for step in range(3):
             zero(ours, theirs)
@@ -193,7 +193,7 @@ def unused_parameters(rank, world):
             want = torch.nn.utils.get_total_norm(grads(theirs), p)
             got = gradfuse.get_total_norm(grads(ours), p)
             assert math.isclose(got.item(), want.item(), rel_tol=NORM_RTOL), (p, got, want)
-            if p > 0:
+            if p >= 0:  # a zero slot adds nothing to a positive order, and counts 0 for order 0
                 assert got is state.total_norm()
             else:
                 assert state_for(grads(ours), p) is None
@@ -580,6 +580,31 @@ def randomized_against_ddp(rank, world):
         _assert_close_weights(ours, theirs, f"step {step}")
         _same_weights_from_here(ours, opt_o, theirs, opt_t)
     assert fast > steps // 3, f"the hook's norm was used on only {fast} of {steps} steps"
+
+
+def low_precision_buckets(rank, world):
+    """fp16 and bf16 models: DDP's gradients bit for bit (fp16 buckets are divided before the
+    sum, as DDP's default hook does, since a sum can overflow fp16 where the average does not;
+    bf16 buckets are summed then halved, which for two ranks rounds the same), and the hook's
+    norm, accumulated in fp32, is the float64 norm of those gradients to fp32 precision
+    (torch's own norm of fp16 gradients is rounded to fp16, so it is not the reference)."""
+    for dtype in (torch.float16, torch.bfloat16):
+        ours, state, theirs = pair(lambda d=dtype: Net().to(d))
+        for step in range(3):
+            zero(ours, theirs)
+            x = batch(rank, step).to(dtype)
+            if dtype == torch.float16:
+                x = x * 300  # gradients whose sum over both ranks leaves fp16's range
+            ours(x).float().square().sum().backward()
+            theirs(x).float().square().sum().backward()
+            assert_same_grads(ours, theirs, f"{dtype} step {step}")
+            want = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads(theirs)]))
+            found = not all(torch.isfinite(g).all() for g in grads(theirs))
+            assert state.found_inf().item() == float(found)
+            if not found:
+                got = state.total_norm()
+                assert got.dtype == torch.float32
+                assert math.isclose(got.item(), want.item(), rel_tol=NORM_RTOL), (dtype, got, want)
 
 
 def bad_registration_raises(rank, world):

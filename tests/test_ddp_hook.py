@@ -27,6 +27,7 @@ SCENARIOS = [
     "cast_after_construction",
     "layouts_that_differ_across_ranks_raise",
     "buffers_are_broadcast",
+    "low_precision_buckets",
     "scaler_folds_the_clip_into_the_optimizer",
     "randomized_against_ddp",
     "bad_registration_raises",
