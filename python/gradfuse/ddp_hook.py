@@ -30,7 +30,6 @@ bypass version counters, through ``.data``, cannot be seen).
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
@@ -182,7 +181,7 @@ class DDPHookState:
             g = p.grad
             if g is not None and g.layout == torch.strided and g.untyped_storage().data_ptr() in storages:
                 self._grads[id(g)] = (weakref.ref(g), g.data_ptr())
-        if self.norm_type > 0 and not self._gradless_slots_are_zero(buffers):
+        if self.norm_type >= 0 and not self._gradless_slots_are_zero(buffers):
             self._why = (
                 "a parameter unused on every rank has no gradient here but a non-zero slot (another "
                 "rank's stale gradient, summed into it by DDP)"
@@ -201,7 +200,8 @@ class DDPHookState:
 
     def _gradless_slots_are_zero(self, buffers: list[Tensor]) -> bool:
         """Whether the bucket slots of parameters left without a gradient hold zeros, so that
-        a norm of positive order over the flat buffers is the norm over the gradients. DDP
+        a norm of positive order over the flat buffers (or the count of non-zero views, for
+        order 0) is the norm over the gradients. DDP
         zeroes such a slot, unless another rank still had a gradient there (a parameter unused
         everywhere, with a stale gradient on some rank): the sum then lands in the slot. On the
         CPU a read of those few slots; on CUDA, a host sync, paid only when some parameter got
@@ -305,8 +305,6 @@ def register_ddp_hook(ddp_model: DistributedDataParallel, norm_type: float = 2.0
         raise RuntimeError(
             f"{_OP}: ddp_model already has a communication hook (DDP takes one; mixed_precision registers its own)"
         )
-    if math.isnan(norm_type):
-        raise ValueError(f"{_OP}: norm_type must be a number, got nan")
     state = DDPHookState(ddp_model, norm_type)
     try:
         ddp_model.register_comm_hook(state, _gradfuse_ddp_hook)
