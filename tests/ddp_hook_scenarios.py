@@ -155,6 +155,12 @@ def every_norm_order(rank, world):
             assert_norm(state, theirs, f"order {p}, step {step}")
             got = gradfuse.get_total_norm(grads(ours), p)
             assert got is state.total_norm(), f"order {p}: the drop-in did not take the hook's norm"
+        # The scale pass alone (over DDP's buckets) with the hook's norm, as torch's with its own.
+        gradfuse.clip_grads_with_norm_(ours.parameters(), 1e-3, got)
+        torch.nn.utils.clip_grads_with_norm_(theirs.parameters(), 1e-3, torch.nn.utils.get_total_norm(grads(theirs), p))
+        for a, b in zip(grads(ours), grads(theirs), strict=True):
+            torch.testing.assert_close(a, b, rtol=4 * NORM_RTOL, atol=0)
+        assert state_for(grads(ours), p) is None, "the state still claims the clipped gradients"
 
 
 def no_sync_accumulates_then_measures(rank, world):

@@ -176,11 +176,14 @@ class DDPHookState:
             self._why = self._failure
             return
         buffers = [self._buffers[b] for b in range(n)]
-        storages = {b.untyped_storage().data_ptr() for b in buffers}
+        spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers]
         for p in self._params:
             g = p.grad
-            if g is not None and g.layout == torch.strided and g.untyped_storage().data_ptr() in storages:
-                self._grads[id(g)] = (weakref.ref(g), g.data_ptr())
+            if g is None or g.layout != torch.strided:
+                continue
+            address = g.data_ptr()  # a bucket view's first element lies inside its bucket
+            if any(start <= address < end for start, end in spans):
+                self._grads[id(g)] = (weakref.ref(g), address)
         if self.norm_type >= 0 and not self._gradless_slots_are_zero(buffers):
             self._why = (
                 "a parameter unused on every rank has no gradient here but a non-zero slot (another "
