@@ -502,6 +502,41 @@ def scaler_folds_the_clip_into_the_optimizer(rank, world):
             _same_weights_from_here(ours, opt_o, theirs, opt_t)
 
 
+def scaler_without_clipping_uses_the_hooks_flag(rank, world):
+    """Loss scaling without clipping: ``scaler.step`` on fused AdamW takes the overflow flag
+    the hook found during backward (no check pass), and ``unscale_`` runs over DDP's few
+    buckets; weights, gradients and the loss scale bit for bit torch's scaler on plain DDP,
+    an overflow on rank 1 only skipping the step on both ranks."""
+    for fused in (True, False):
+        ours, state, theirs = pair()
+        (opt_o, sc_o), (opt_t, sc_t) = _scaler_pair(ours, theirs, fused)
+        for step in range(4):
+            x = batch(rank, step)
+            for model, opt, sc in ((ours, opt_o, sc_o), (theirs, opt_t, sc_t)):
+                opt.zero_grad()
+                loss = model(x).square().sum()
+                if step == 2 and rank == 1:
+                    loss = loss * math.inf
+                sc.scale(loss).backward()
+                if model is ours:
+                    assert state_for(grads(ours), 2.0) is state
+                if not fused:
+                    sc.unscale_(opt)
+                sc.step(opt)
+                sc.update()
+            assert_same_grads(ours, theirs, f"fused={fused} step {step}")
+            assert sc_o.get_scale() == sc_t.get_scale(), (step, sc_o.get_scale(), sc_t.get_scale())
+            for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+                assert torch.equal(p, q), f"fused={fused} step {step}: weights differ"
+    # The flag is the hook's, not a pass over the gradients: a NaN written behind the version
+    # counters (through .data, which nothing can detect) after backward is not seen.
+    opt_o.zero_grad()
+    sc_o.scale(ours(batch(rank, 9)).square().sum()).backward()
+    next(ours.parameters()).grad.data.view(-1)[0] = math.nan
+    found = sc_o._check_inf_per_device(opt_o)
+    assert sum(f.item() for f in found.values()) == 0.0
+
+
 class TiedNet(nn.Module):
     """Tied input and output embeddings; ``extra`` used when asked; a ``Boom`` point that raises
     in forward when asked."""

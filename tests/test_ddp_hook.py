@@ -29,6 +29,7 @@ SCENARIOS = [
     "buffers_are_broadcast",
     "low_precision_buckets",
     "scaler_folds_the_clip_into_the_optimizer",
+    "scaler_without_clipping_uses_the_hooks_flag",
     "randomized_against_ddp",
     "bad_registration_raises",
 ]

@@ -19,6 +19,8 @@ state dict saved by either loads into the other. Two things change:
   Gradients that a DDP with gradfuse's hook (``gradfuse.register_ddp_hook``) has just reduced
   were measured during backward: no read pass at all then (the norm is the hook's times
   ``inv_scale``, ``found_inf`` the hook's), and the write pass, if any, runs over DDP's buckets.
+  The same holds without clipping: ``step`` on such an optimizer takes the hook's ``found_inf``,
+  and ``unscale_`` runs over the buckets.
 
 Clipping without loss scaling (bf16 or fp32 training) is the same call on a disabled scaler,
 ``GradScaler(enabled=False)``: ``scale`` returns the loss unchanged, ``update`` does nothing,
@@ -103,6 +105,9 @@ class GradScaler(torch.amp.GradScaler):
         grads = _optimizer_grads(optimizer)
         if not allow_fp16 and any(g.dtype == torch.float16 for g in grads):
             raise ValueError("Attempting to unscale FP16 gradients.")
+        hook = state_for(grads)
+        if hook is not None:  # gradients a DDP with gradfuse's hook just reduced: its few buckets
+            grads = hook.buffers
         groups = _fused_groups(grads, one_device=False) if grads else {}
         if groups is not None:
             try:
@@ -121,6 +126,12 @@ class GradScaler(torch.amp.GradScaler):
         """For an optimizer that unscales as it reads: only check, in a read-only pass."""
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         grads = _optimizer_grads(optimizer)
+        hook = state_for(grads)
+        if hook is not None:  # checked during backward, by gradfuse's DDP hook
+            found = hook.found_inf()
+            found = {found.device: found}
+            self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
+            return found
         groups = _fused_groups(grads, one_device=False) if grads else {}
         if groups is None:
             return super()._check_inf_per_device(optimizer)
