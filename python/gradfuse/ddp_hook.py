@@ -90,6 +90,7 @@ class DDPHookState:
         self._grads: dict[int, tuple[weakref.ref, int]] = {}
         self._versions: list[tuple[weakref.ref, int]] = []
         self._total: Tensor | None = None
+        self._found_any: Tensor | None = None
         self._why = "the last synchronised backward did not complete"
 
     def _on_forward(self, ddp_model: DistributedDataParallel, args) -> None:
@@ -199,6 +200,11 @@ class DDPHookState:
             return
         self._versions = [(weakref.ref(b), b._version) for b in buffers]
         self._buffers, self._bucket_params = {}, {}  # weak from here on: a rebuild frees the old buffers
+        # Combined here, before backward returns: after it, nothing is left to compute.
+        with torch.no_grad():
+            self._total = _combine([self._partials[b] for b in range(n)], self.norm_type)
+            found = [self._found[b] for b in range(n)]
+            self._found_any = found[0] if n == 1 else torch.stack(found).amax()
         self._sealed = True
 
     def _gradless_slots_are_zero(self, buffers: list[Tensor]) -> bool:
@@ -231,16 +237,13 @@ class DDPHookState:
         fp32 tensor, fp64 for fp64 gradients, on the gradients' device; no host sync). Raises
         ``RuntimeError`` if that backward did not complete."""
         self._check_sealed()
-        if self._total is None:
-            self._total = _combine([self._partials[b] for b in range(len(self._partials))], self.norm_type)
         return self._total
 
     def found_inf(self) -> Tensor:
         """1.0 if a gradient of the last synchronised backward held inf or NaN, else 0.0 (a 0-d
         float32 device tensor)."""
         self._check_sealed()
-        found = [self._found[b] for b in range(len(self._found))]
-        return found[0] if len(found) == 1 else torch.stack(found).amax()
+        return self._found_any
 
     @property
     def buffers(self) -> list[Tensor]:

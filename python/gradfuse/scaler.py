@@ -163,18 +163,15 @@ class GradScaler(torch.amp.GradScaler):
         norm_type = P.check_norm_type(op, norm_type)
         self._check_ready(optimizer)
         grads = _optimizer_grads(optimizer)
+        hook = state_for(grads, norm_type)
+        if hook is not None:  # plain tensors on one device, measured during backward
+            scale, inv_scale = self._scales(hook.total_norm().device)
+            return self._clip_from_hook(optimizer, hook, scale, inv_scale, max_norm)
         groups = _fused_groups(grads, one_device=False) if grads else None
         if groups is None:
             return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type)
         first = next(iter(groups))
-        if self._enabled:
-            scale = self._scale.to(first)
-            inv_scale = scale.double().reciprocal().float()  # in fp64 then rounded, as torch's unscale_
-        else:
-            scale = inv_scale = torch.ones((), dtype=torch.float32, device=first)
-        hook = state_for(grads, norm_type)
-        if hook is not None:
-            return self._clip_from_hook(optimizer, hook, scale, inv_scale, max_norm)
+        scale, inv_scale = self._scales(first)
         try:
             with torch.no_grad():
                 _check_all(groups)
@@ -195,6 +192,14 @@ class GradScaler(torch.amp.GradScaler):
             return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type)
         self._record(optimizer, found, grad_scale)
         return total
+
+    def _scales(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(scale, inv_scale) as 0-d float32 tensors on ``device``; 1 and 1 when disabled."""
+        if self._enabled:
+            scale = self._scale.to(device)
+            return scale, scale.double().reciprocal().float()  # in fp64 then rounded, as torch's unscale_
+        one = torch.ones((), dtype=torch.float32, device=device)
+        return one, one
 
     def _clip_from_hook(
         self, optimizer, hook: DDPHookState, scale: Tensor, inv_scale: Tensor, max_norm: float
