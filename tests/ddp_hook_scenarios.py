@@ -560,7 +560,8 @@ class TiedNet(nn.Module):
 
 def randomized_against_ddp(rank, world):
     """A few hundred steps drawing from: gradient accumulation under ``no_sync``, parameters
-    unused on some ranks or all, an exception in forward (caught), every ``zero_grad``
+    unused on some ranks or all, an exception in forward (caught; in the synchronised
+    micro-step too, leaving the step with unsynchronised gradients), every ``zero_grad``
     variant, a frozen layer, fp16-style loss scaling with overflows on one rank, tied weights;
     fused AdamW with the scaler's folded clip. Every step: gradients bit for bit DDP's, the
     norm torch's, the same overflow decision and loss scale, weights one step from the same
@@ -597,7 +598,7 @@ def randomized_against_ddp(rank, world):
                 sync = i == micro - 1
                 with nullcontext() if sync else model.no_sync():
                     try:
-                        logits = model(tokens, use_extra=use_extra, fail=fail_at == i and not sync)
+                        logits = model(tokens, use_extra=use_extra, fail=fail_at == i)
                     except ValueError:
                         continue
                     loss = logits.square().mean()
@@ -605,6 +606,8 @@ def randomized_against_ddp(rank, world):
                         loss = loss * math.inf
                     sc.scale(loss).backward()
         assert_same_grads(ours, theirs, f"step {step}")
+        if not grads(theirs):  # every forward failed after zero_grad: torch's scaler can't step
+            continue
         if state_for(grads(ours), 2.0) is state:
             fast += 1
         total = sc_o.unscale_and_clip_(opt_o, max_norm)
