@@ -651,6 +651,35 @@ def low_precision_buckets(rank, world):
                 assert math.isclose(got.item(), want.item(), rel_tol=NORM_RTOL), (dtype, got, want)
 
 
+class SparseNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 8, sparse=True)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, tokens):
+        return self.out(self.emb(tokens))
+
+
+def sparse_gradients(rank, world):
+    """A sparse embedding gradient (its own bucket, reduced as DDP's default hook does): DDP's
+    gradients; the state offers no norm (a sparse bucket is not measured), so the drop-in clip
+    reads the gradients and gives torch's answer."""
+    ours, state, theirs = pair(lambda: SparseNet())
+    for step in range(2):
+        zero(ours, theirs)
+        tokens = torch.randint(0, 30, (4, 3), generator=torch.Generator().manual_seed(10 * step + rank))
+        for m in (ours, theirs):
+            m(tokens).square().sum().backward()
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            assert torch.equal(p.grad.to_dense(), q.grad.to_dense())
+        with _raises(RuntimeError, "sparse"):
+            state.total_norm()
+        got = gradfuse.clip_grad_norm_(ours.parameters(), 0.1)
+        want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1)
+        assert math.isclose(got.item(), want.item(), rel_tol=NORM_RTOL), (got, want)
+
+
 def bad_registration_raises(rank, world):
     model = Net()
     with _raises(TypeError, "ddp_model must be"):

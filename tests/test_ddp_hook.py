@@ -28,6 +28,7 @@ SCENARIOS = [
     "layouts_that_differ_across_ranks_raise",
     "buffers_are_broadcast",
     "low_precision_buckets",
+    "sparse_gradients",
     "scaler_folds_the_clip_into_the_optimizer",
     "scaler_without_clipping_uses_the_hooks_flag",
     "randomized_against_ddp",

@@ -115,7 +115,7 @@ class DDPHookState:
             self._reset(tracking=in_backward)
         buffer = bucket.buffer()
         self._bucket_params[index] = bucket.parameters()
-        views = bucket.gradients() if self.norm_type <= 0 else None
+        views = bucket.gradients() if self.norm_type <= 0 and buffer.layout == torch.strided else None
         if views is not None and self.norm_type < 0 and not all(v.numel() for v in views):
             # torch's norm of an empty gradient in a negative order raises: let it.
             self._failure = "a gradient is empty, and the norm's order is negative"
@@ -170,11 +170,11 @@ class DDPHookState:
         """After DDP has finished the backward (every bucket reduced and measured, every
         ``.grad`` pointed at its bucket view): record which gradients the partials describe."""
         n = self._n_buckets
-        if not self._tracking or n is None or sorted(self._partials) != list(range(n)):
-            self._why = "the last synchronised backward did not reduce every bucket"
-            return
         if self._failure is not None:
             self._why = self._failure
+            return
+        if not self._tracking or n is None or sorted(self._partials) != list(range(n)):
+            self._why = "the last synchronised backward did not reduce every bucket"
             return
         buffers = [self._buffers[b] for b in range(n)]
         spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers]
