@@ -9,7 +9,8 @@ over the reduced bucket, which runs as soon as the reduction completes, while ba
 - gloo (no average op): a sum all-reduce, then ``gradfuse::unscale_norm_`` with
   ``inv_scale = 1 / world``: one read-write pass that averages the bucket in place and gives
   its partial norm and inf/NaN flag. For two ranks ``(a + b) / 2`` is bit for bit DDP's
-  ``a / 2 + b / 2``. fp16 buckets are divided before the sum instead, as DDP's default hook
+  ``a / 2 + b / 2`` (halving is exact, barring subnormals); for other world sizes the two
+  round differently in the last bit. fp16 buckets are divided before the sum instead, as DDP's default hook
   does: a sum of fp16 gradients can overflow where their average does not.
 - NCCL: an average all-reduce (``ReduceOp.AVG``), then a read-only pass for the partial norm
   and the flag.
