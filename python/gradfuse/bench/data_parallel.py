@@ -83,6 +83,8 @@ def _worker(rank, init_file, out_file, quick, reps, budget_s, device_type):
     except Exception as err:  # reported by the parent
         result = {"error": f"rank {rank}: {type(err).__name__}: {err}"}
     Path(f"{out_file}.{rank}").write_bytes(pickle.dumps(result))
+    if "error" not in result:
+        dist.barrier()  # neither rank tears its connections down while the other still reduces
     # DDP's reducer keeps the process group's threads referenced (a reference cycle); left to
     # interpreter exit, that intermittently aborted a rank ("terminate called without an
     # active exception", 1 run in ~6). Free them first.
