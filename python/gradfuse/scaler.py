@@ -128,7 +128,7 @@ class GradScaler(torch.amp.GradScaler):
         grads = _optimizer_grads(optimizer)
         hook = state_for(grads)
         if hook is not None:  # checked during backward, by gradfuse's DDP hook
-            found = hook.found_inf()
+            found = hook.found_inf().clone()  # torch's update() adds the other optimizers' flags into it
             found = {found.device: found}
             self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
             return found
@@ -208,7 +208,7 @@ class GradScaler(torch.amp.GradScaler):
         measured them during backward: no pass over them here. The unscaled norm is the hook's
         norm times ``inv_scale``; ``found_inf`` is the hook's. A fused optimizer then divides by
         ``scale / clip_coef`` as it reads; otherwise one write pass over DDP's bucket buffers."""
-        found = hook.found_inf()
+        found = hook.found_inf().clone()  # torch's update() adds the other optimizers' flags into it
         with torch.no_grad():
             total = hook.total_norm() * inv_scale
             coef = clip_coef(total, max_norm)
