@@ -130,11 +130,18 @@ def grads_and_norm_match_ddp(rank, world):
         assert step == 0 or len(state.buffers) > 1, "expected several buckets after the rebuild"
         assert state.found_inf().item() == 0.0
         assert state_for(grads(ours), 2.0) is state
-        assert gradfuse.get_total_norm(grads(ours)) is state.total_norm()
+        assert torch.equal(gradfuse.get_total_norm(grads(ours)), state.total_norm())
+    # The drop-ins take the hook's norm without reading the gradients: a write through .data
+    # (behind the version counters, which nothing can see) after backward does not show.
+    poisoned = next(ours.parameters()).grad
+    saved = poisoned.clone()
+    poisoned.data.fill_(1e6)
+    assert torch.equal(gradfuse.get_total_norm(grads(ours)), state.total_norm())
+    poisoned.data.copy_(saved)
     # The drop-in clip: the hook's norm, one scale pass over the buckets; torch's clip on DDP's.
     total = gradfuse.clip_grad_norm_(ours.parameters(), 0.05)
     want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.05)
-    assert total is state._total and math.isclose(total.item(), want.item(), rel_tol=NORM_RTOL)
+    assert torch.equal(total, state.total_norm()) and math.isclose(total.item(), want.item(), rel_tol=NORM_RTOL)
     for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=4 * NORM_RTOL, atol=0)
     # Clipping modified the gradients: the state no longer describes them.
@@ -154,7 +161,7 @@ def every_norm_order(rank, world):
             assert_same_grads(ours, theirs, f"order {p}")
             assert_norm(state, theirs, f"order {p}, step {step}")
             got = gradfuse.get_total_norm(grads(ours), p)
-            assert got is state.total_norm(), f"order {p}: the drop-in did not take the hook's norm"
+            assert torch.equal(got, state.total_norm()), f"order {p}: the drop-in did not take the hook's norm"
         # The scale pass alone (over DDP's buckets) with the hook's norm, as torch's with its own.
         gradfuse.clip_grads_with_norm_(ours.parameters(), 1e-3, got)
         torch.nn.utils.clip_grads_with_norm_(theirs.parameters(), 1e-3, torch.nn.utils.get_total_norm(grads(theirs), p))
@@ -200,7 +207,7 @@ def unused_parameters(rank, world):
             got = gradfuse.get_total_norm(grads(ours), p)
             assert math.isclose(got.item(), want.item(), rel_tol=NORM_RTOL), (p, got, want)
             if p >= 0:  # a zero slot adds nothing to a positive order, and counts 0 for order 0
-                assert got is state.total_norm()
+                assert state_for(grads(ours), p) is state and torch.equal(got, state.total_norm())
             else:
                 assert state_for(grads(ours), p) is None
                 with _raises(RuntimeError, "negative"):

@@ -229,7 +229,7 @@ def get_total_norm(
         return owner.get_total_norm(norm_type, error_if_nonfinite)
     hook = state_for(tensors, norm_type)
     if hook is not None:
-        total = hook.total_norm()
+        total = hook.total_norm().clone()  # the caller's own, as torch's is
         if error_if_nonfinite and not torch.isfinite(total):
             raise P.nonfinite_total_error(norm_type)
         return total
@@ -351,7 +351,7 @@ def clip_grad_norm_(
         hook = state_for(grads, norm_type)
         if hook is not None:
             # The norm was measured during backward: only the scale pass is left, over DDP's buckets.
-            total = hook.total_norm()
+            total = hook.total_norm().clone()  # the caller's own, as torch's is
             if error_if_nonfinite and not torch.isfinite(total):
                 raise P.nonfinite_total_error(norm_type)
             torch.ops.gradfuse.clip_grads_with_norm_(hook.buffers, max_norm, total)
