@@ -36,6 +36,7 @@ __all__ = [
     "unscale_and_check_",
     "unscale_and_clip_",
     "unscale_check_norm",
+    "unscale_norm_",
 ]
 
 
@@ -128,6 +129,21 @@ def unscale_and_clip_(plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, ma
     plan.before_write(found_inf)
     _norm.multi_tensor_norm(table, norm_type, total, None, inv_scale, found_inf, _norm.FOUND_SET)
     _scale.multi_tensor_scale_(table, _scale.UNSCALE_CLIP, total, max_norm, inv_scale)
+    return total
+
+
+def unscale_norm_(plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, norm_type: float):
+    """``x *= inv_scale`` in place; returns the norm of the scaled values and sets ``found_inf``
+    to 1.0 if any ``x`` was inf or NaN. Two launches (a read-only norm pass, then the write):
+    the DDP hook takes this path only for gloo on CUDA; with NCCL the all-reduce averages and
+    the hook's pass is read-only."""
+    if len(plan) == 0:
+        return _empty_norm(plan, False)[0]
+    table = chunk_table([plan])
+    total = torch.empty((), dtype=plan.out_dtype, device=plan.device)
+    plan.before_write(found_inf)
+    _norm.multi_tensor_norm(table, norm_type, total, None, inv_scale, found_inf, _norm.FOUND_SET)
+    _scale.multi_tensor_scale_(table, _scale.SCALE, inv_scale)
     return total
 
 

@@ -1,20 +1,19 @@
 """Scenarios run on every rank of a 2-rank gloo process group by ``tests/test_distributed.py``
 (through ``tests/multiprocess.py``). Each takes ``(rank, world)`` and raises on failure.
 
-The reference is torch's own ``DistributedDataParallel`` on a copy of the same model fed the
-same data, and for norms the norm of the full (unsharded) gradients in float64.
+The reference for norms is the norm of the full (unsharded) gradients in float64, and torch's
+own clip on the same DTensor gradients. (Data parallelism is DDP + gradfuse's hook: see
+``ddp_hook_scenarios.py``.)
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradfuse
 
@@ -57,141 +56,6 @@ def gather(t: torch.Tensor) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t.contiguous())
     return out
-
-
-def assert_same_grads(ours: nn.Module, theirs: nn.Module, what: str) -> None:
-    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
-        if q.grad is None:
-            assert p.grad is None, f"{what}: {name} has a gradient where DDP has none"
-            continue
-        assert p.grad is not None, f"{what}: {name} has no gradient where DDP has one"
-        assert torch.equal(p.grad, q.grad), f"{what}: {name} differs by {(p.grad - q.grad).abs().max()}"
-
-
-def assert_grads_are_views(buckets: gradfuse.GradBuckets, model: nn.Module) -> None:
-    storages = {b.untyped_storage().data_ptr() for b in buckets.buffers}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            assert p.grad.untyped_storage().data_ptr() in storages, f"{name}.grad is not a bucket view"
-
-
-def grads_match_ddp(rank, world):
-    """fp32 grads after backward equal DDP's bit for bit, over several iterations (the bucket
-    rebuild after the first included), with several buckets; and equal the average of the
-    ranks' local gradients."""
-    ours, theirs, local = same_model(), same_model(), same_model()
-    buckets = gradfuse.GradBuckets(ours.parameters(), bucket_cap_mb=0.002, process_group=group())
-    assert len(buckets.buffers) > 2, buckets
-    ddp = DDP(theirs, bucket_cap_mb=0.002)
-    head = list(ours.parameters()).index(ours.head.weight)
-    for step in range(3):
-        x = batch(rank, step)
-        ours(x).square().mean().backward()
-        ddp(x).square().mean().backward()
-        local(x).square().mean().backward()
-        assert_same_grads(ours, theirs, f"step {step}")
-        assert_grads_are_views(buckets, ours)
-        for p, q in zip(ours.parameters(), local.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, sum(gather(q.grad)) / world, rtol=1e-6, atol=1e-7)
-        if step == 0:
-            # Rebuilt in the ready order: head's gradients are produced first, so bucket 0.
-            assert buckets.bucket_index(head) == 0, buckets.bucket_index(head)
-        buckets.zero_grad()
-        ddp.zero_grad()
-        local.zero_grad()
-
-
-def no_sync_accumulates_then_reduces(rank, world):
-    ours, theirs = same_model(), same_model()
-    buckets = gradfuse.GradBuckets(ours.parameters(), bucket_cap_mb=0.002, process_group=group())
-    ddp = DDP(theirs, bucket_cap_mb=0.002)
-    for step in range(2):
-        for micro in range(3):
-            last = micro == 2
-            x = batch(rank, 10 * step + micro)
-            with nullcontext() if last else buckets.no_sync():
-                ours(x).square().mean().backward()
-            with nullcontext() if last else ddp.no_sync():
-                ddp(x).square().mean().backward()
-            if micro == 0:
-                # No communication yet: each rank holds its own gradient.
-                w = ours.head.weight.grad
-                a, b = gather(w)
-                assert not torch.equal(a, b), "no_sync reduced"
-        assert_same_grads(ours, theirs, f"step {step}")
-        buckets.zero_grad()
-        ddp.zero_grad()
-
-
-def unused_parameters_like_find_unused(rank, world):
-    """``extra`` is used on rank 0 only, ``never`` nowhere: with grads set to None each step
-    (optimizer.zero_grad's default), the result equals DDP(find_unused_parameters=True)'s:
-    ``extra`` gets the average (rank 1 contributing zeros), ``never`` stays None; no hang."""
-    ours, theirs = same_model(unused=True), same_model(unused=True)
-    buckets = gradfuse.GradBuckets(ours.parameters(), bucket_cap_mb=0.002, process_group=group())
-    ddp = DDP(theirs, bucket_cap_mb=0.002, find_unused_parameters=True)
-    for step in range(3):
-        x = batch(rank, step)
-        ours(x, use_extra=rank == 0).square().mean().backward()
-        ddp(x, use_extra=rank == 0).square().mean().backward()
-        assert_same_grads(ours, theirs, f"step {step}")
-        assert ours.never.weight.grad is None and ours.extra.weight.grad is not None
-        for model in (ours, theirs):
-            model.zero_grad(set_to_none=True)
-    # The norm over the buckets is the norm over the gradients torch sees (None skipped).
-    x = batch(rank, 9)
-    ours(x, use_extra=rank == 0).square().mean().backward()
-    ddp(x, use_extra=rank == 0).square().mean().backward()
-    want = torch.nn.utils.get_total_norm([p.grad for p in theirs.parameters() if p.grad is not None])
-    torch.testing.assert_close(buckets.get_total_norm(), want, rtol=1e-6, atol=0)
-
-
-def main_grad_bf16_is_the_fp32_average(rank, world):
-    model, local = same_model().bfloat16(), same_model().bfloat16()
-    buckets = gradfuse.GradBuckets(model.parameters(), grad_dtype=torch.float32, process_group=group())
-    expected = [torch.zeros_like(p, dtype=torch.float32) for p in local.parameters()]
-    for micro in range(2):
-        x = batch(rank, micro).bfloat16()
-        with buckets.no_sync() if micro == 0 else nullcontext():
-            model(x).float().square().mean().backward()
-        local(x).float().square().mean().backward()
-        for e, q in zip(expected, local.parameters(), strict=True):
-            e += q.grad.float()
-        local.zero_grad()
-    for (name, p), e in zip(model.named_parameters(), expected, strict=True):
-        assert p.grad is None, f"{name}.grad was not freed"
-        assert p.main_grad.dtype == torch.float32
-        a, b = gather(e)
-        assert torch.equal(p.main_grad, (a + b) / 2), name
-
-
-def parameters_broadcast_from_rank_0(rank, world):
-    torch.manual_seed(rank)  # different weights per rank
-    model = Net()
-    gradfuse.GradBuckets(model.parameters(), process_group=group())
-    for name, p in model.named_parameters():
-        a, b = gather(p.detach())
-        assert torch.equal(a, b), name
-
-
-def layout_mismatch_raises_on_every_rank(rank, world):
-    model = same_model(unused=True)
-    params = list(model.parameters())
-    if rank == 1:
-        params = params[:-1]
-    for p in params:
-        p.grad = torch.full_like(p, 3.0)
-    try:
-        gradfuse.GradBuckets(params, process_group=group())
-    except ValueError as err:
-        assert "disagree on the parameter layout" in str(err) and "rank 1: 11 parameters" in str(err), err
-    else:
-        raise AssertionError("no error")
-    for p in params:
-        assert p.grad is not None and torch.all(p.grad == 3.0)
-        assert not hasattr(p, "main_grad")
-    # The group still works afterwards (nothing was left half-done in a collective).
-    assert len(gather(torch.ones(1))) == world
 
 
 NORM_TYPES = [2.0, 1.0, 3.0, 0.5, 0.0, -1.0, math.inf, -math.inf]

@@ -117,7 +117,12 @@ def test_every_workload_has_torch_and_gradfuse_and_consistent_speedups(quick_run
     assert set(by_workload) == {"copy", *CPU_WORKLOADS}
     assert set(by_workload["accumulate_gpt2_bf16"]) == {"torch", "gradfuse", "torch_foreach"}
     assert set(by_workload["buckets_2000x4096_fp32_active"]) == {"torch", "gradfuse", "gradfuse_dropin"}
-    assert set(by_workload["ddp_transformer_fp32"]) == {"torch", "gradfuse", "torch_bucket_view", "comm_only"}
+    ddp = by_workload["ddp_transformer_fp32"]
+    assert set(ddp) == {f"{impl}{part}" for impl in ("torch", "gradfuse") for part in ("", ":after_backward", ":clip")}
+    # Bytes read and written after backward: torch's norm read and clip read/write on top of
+    # fused AdamW's 7 passes, which are all gradfuse has left (the hook measured in backward).
+    for impl, passes in (("torch", 10), ("gradfuse", 7)):
+        assert ddp[impl]["after_backward_bytes"] == passes * ddp[impl]["numel"] * 4
     assert set(by_workload["trainer_gpt2small_fp32"]) == {"torch", "gradfuse", "torch:grads", "gradfuse:grads"}
     for name, (n_tensors, passes) in CPU_WORKLOADS.items():
         impls = by_workload[name]

@@ -15,6 +15,7 @@ Tolerances, and why (as in test_triton.py):
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import struct
@@ -574,3 +575,66 @@ def test_buckets_main_grad_bf16_on_gpu():
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.grad is None and p.main_grad.dtype == torch.float32
         assert torch.equal(p.main_grad, q.grad.float())
+
+
+# --- the DDP hook on one GPU (NCCL: an average all-reduce, then a read-only pass; gloo on CUDA:
+# a sum, then the in-place unscale_norm_). One rank: the paths and the state, not the averaging,
+# which the 2-rank gloo tests in test_ddp_hook.py check.
+
+
+@pytest.fixture(params=["nccl", "gloo"])
+def one_rank_group(request, tmp_path):
+    import torch.distributed as dist
+
+    if request.param == "nccl" and not dist.is_nccl_available():
+        pytest.skip("no NCCL")
+    dist.init_process_group(request.param, init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield request.param
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_hook_on_cuda_matches_ddp_and_folds_the_clip(one_rank_group):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradfuse.ddp_hook import state_for
+
+    torch.manual_seed(0)
+
+    def make():
+        return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)], torch.nn.Linear(256, 10))
+
+    model = make().to(DEVICE)
+    reference = make().to(DEVICE)
+    reference.load_state_dict(model.state_dict())
+    ours = DDP(model, device_ids=[DEVICE.index or 0], gradient_as_bucket_view=True, bucket_cap_mb=0.5)
+    theirs = DDP(reference, device_ids=[DEVICE.index or 0], gradient_as_bucket_view=True, bucket_cap_mb=0.5)
+    hook = gradfuse.register_ddp_hook(ours)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), fused=True)
+    scaler = gradfuse.GradScaler("cuda", init_scale=2.0**10)
+    ref_scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    for _ in range(3):
+        x = torch.randn(32, 256, device=DEVICE)
+        for m, o, s in ((ours, opt, scaler), (theirs, ref_opt, ref_scaler)):
+            o.zero_grad()
+            s.scale(m(x).square().mean()).backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+        grads = [p.grad for p in model.parameters()]
+        assert state_for(grads, 2.0) is hook
+        total = scaler.unscale_and_clip_(opt, 1e-3)
+        assert torch.equal(total, hook.total_norm() * (1.0 / scaler.get_scale()))
+        ref_scaler.unscale_(ref_opt)
+        want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3)
+        assert close(total.item(), want.item(), 2e-6)
+        for s, o in ((scaler, opt), (ref_scaler, ref_opt)):
+            s.step(o)
+            s.update()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                q.copy_(p)
+        ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict would share tensors

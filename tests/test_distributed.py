@@ -1,4 +1,4 @@
-"""GradBuckets with a process group, distributed norms and DTensor gradients, on 2 real ranks
+"""Norms across ranks (sharded gradients, DTensor, FSDP2), on 2 real ranks
 (gloo, this machine only). The scenarios are in ``dist_scenarios.py``; they all run in one
 start of two processes (a module fixture), each reported here as its own test."""
 
@@ -15,12 +15,6 @@ pytestmark = [
 ]
 
 SCENARIOS = [
-    "grads_match_ddp",
-    "no_sync_accumulates_then_reduces",
-    "unused_parameters_like_find_unused",
-    "main_grad_bf16_is_the_fp32_average",
-    "parameters_broadcast_from_rank_0",
-    "layout_mismatch_raises_on_every_rank",
     "sharded_norms_equal_the_full_norm",
     "bucket_norm_with_process_group",
     "dtensor_norms_match_torch",

@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_ddp_example_under_torchrun():
     readme = (ROOT / "README.md").read_text()
-    assert "torchrun --nproc-per-node 2 examples/ddp_buckets.py" in readme
+    assert "torchrun --nproc-per-node 2 examples/ddp_hook.py" in readme
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = subprocess.run([*command, "examples/ddp_buckets.py"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run([*command, "examples/ddp_hook.py"], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ranks in sync" in proc.stdout
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", proc.stdout)]

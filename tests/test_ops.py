@@ -377,6 +377,31 @@ def test_inplace_ops_write_back_into_strided_views_only():
     assert base[0, 0].item() == 14.0 and base[2, 3].item() == 7.0
 
 
+@given(
+    tensor_lists(dtypes=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), specials=True),
+    st.sampled_from([0.5, 0.25, 1.0]),
+    st.sampled_from(NORM_TYPES),
+)
+def test_unscale_norm_scales_in_place_and_measures_the_result(tensors, inv, p):
+    """unscale_norm_ (the DDP hook's pass: average a summed bucket and measure it) equals
+    torch's in-place multiply, bit for bit (inv is a power of two: the products are exact),
+    and its norm is the float64 norm of the scaled values within the dtype's fp32 tolerance."""
+    if p < 0 or math.isinf(p):  # no identity: an empty tensor raises, as torch's norm does
+        tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return
+    ours = [t.clone() for t in tensors]
+    found = torch.zeros(1)
+    total = gradfuse.unscale_norm_(ours, torch.full((1,), inv), found, p)
+    want_found = any(not torch.isfinite(t).all() for t in tensors)
+    assert found.item() == float(want_found)
+    for o, t in zip(ours, tensors, strict=True):
+        assert same_bits(o, scaled(t, inv))
+    if not want_found:
+        want, _ = ref_norms([t.to(math_dtype(t.dtype)) * inv for t in tensors], p)
+        assert close(total.item(), want, rtol_for(t.dtype for t in tensors))
+
+
 # --- opcheck ------------------------------------------------------------------------------
 
 
@@ -393,6 +418,7 @@ def _opcheck_cases():
         ("unscale_and_check_", (f, inv, found)),
         ("unscale_check_norm", (g, inv, 2.0)),
         ("unscale_and_clip_", (g, inv, found, 0.5, 2.0)),
+        ("unscale_norm_", (f, inv, found, 2.0)),
         ("accumulate_", ([torch.zeros(3), torch.zeros(0)], [torch.ones(3).bfloat16(), torch.ones(0)], 0.5)),
         ("clamp_", (f, -0.1, 0.1)),
     ]

@@ -392,6 +392,26 @@ def test_unscale_check_norm_reads_only(monkeypatch, p):
     assert found.item() == 1.0
 
 
+@pytest.mark.parametrize("p", [2.0, 1.0, 0.0, math.inf, -1.0], ids=str)
+def test_unscale_norm_matches_rust(monkeypatch, p):
+    """The in-place unscale that measures (the DDP hook's pass on gloo + CUDA): the same bits as
+    the Rust core in the tensors (one rounding of x * inv), the norm of the scaled values, and
+    the flag set by an inf."""
+    grads = mixed_list(sizes=(17, CHUNK + 1), empty=p > 0 and not math.isinf(p))
+    rust = clones(grads)
+    inv = torch.tensor(0.5)
+    found, rfound = torch.zeros(()), torch.zeros(())
+    total = gradfuse.unscale_norm_(grads, inv, found, p)
+    rtotal = on(monkeypatch, "rust", gradfuse.unscale_norm_, rust, inv, rfound, p)
+    assert all(same_bits(g, r) for g, r in zip(grads, rust, strict=True))
+    assert found.item() == rfound.item() == 0.0
+    want, _ = ref_norms([g.to(math_dtype(g.dtype)) for g in grads], p)
+    assert close(total.item(), want, rtol(grads)) and close(total.item(), rtotal.item(), 2 * rtol(grads))
+    grads[1][0] = math.inf
+    gradfuse.unscale_norm_(grads, inv, found, p)
+    assert found.item() == 1.0
+
+
 def test_unscale_check_norm_counts_fp16_values_that_would_underflow():
     h = torch.ones(CHUNK + 1, dtype=torch.float16)
     total, found = gradfuse.unscale_check_norm([h], torch.tensor(2.0**-30), 1.0)

@@ -17,6 +17,7 @@ from .clip import (
     get_total_norm,
     patch_torch,
 )
+from .ddp_hook import DDPHookState, register_ddp_hook
 from .ops import (
     accumulate_,
     multi_tensor_norm,
@@ -24,6 +25,7 @@ from .ops import (
     unscale_and_check_,
     unscale_and_clip_,
     unscale_check_norm,
+    unscale_norm_,
 )
 from .scaler import GradScaler
 from .train import TrainConfig, Trainer
@@ -31,6 +33,7 @@ from .train import TrainConfig, Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "DDPHookState",
     "GradBuckets",
     "GradScaler",
     "TrainConfig",
@@ -46,7 +49,9 @@ __all__ = [
     "multi_tensor_scale_",
     "ops",
     "patch_torch",
+    "register_ddp_hook",
     "unscale_and_check_",
     "unscale_and_clip_",
     "unscale_check_norm",
+    "unscale_norm_",
 ]

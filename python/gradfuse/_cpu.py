@@ -142,6 +142,17 @@ def unscale_and_clip_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tens
     return total
 
 
+def unscale_norm_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, norm_type: float):
+    tl = _tensor_list(plan)
+    out = plan.out_dtype
+    total = torch.empty((), dtype=out)
+    plan.before_write(found_inf)
+    _, found = _rust.unscale_check_norm(tl, inv_scale.item(), norm_type, total.data_ptr(), DTYPE_CODES[out], True)
+    if found:
+        found_inf.fill_(1.0)
+    return total
+
+
 def accumulate_(dst: Plan, src: Plan, alpha: float) -> None:
     d, s = _tensor_list(dst), _tensor_list(src)
     dst.before_write()

@@ -10,7 +10,9 @@ gradients that alias each other in memory (the same parameter twice, one gradien
 by two parameters, overlapping views), where torch's element-by-element updates define the
 result. The kernels find all of these before anything is modified.
 
-Gradients that are the views of a live ``GradBuckets`` run over its few flat buffers; DTensor
+Gradients that are the views of a live ``GradBuckets`` run over its few flat buffers; those a
+DDP with gradfuse's hook has just reduced take the norm the hook measured during backward and
+are scaled over DDP's bucket buffers; DTensor
 gradients (FSDP2, tensor parallel) with ``Shard``/``Replicate`` placements run over their local
 shards with one all-reduce per mesh; ``process_group=`` combines shards held by several ranks.
 """
@@ -30,6 +32,7 @@ import torch.nn.utils.clip_grad
 from . import _plan as P
 from . import distributed as D
 from .buckets import owner_of
+from .ddp_hook import state_for
 from .ops import check_max_norm
 
 Tensor = torch.Tensor
@@ -224,6 +227,12 @@ def get_total_norm(
     owner = owner_of(tensors) if norm_type > 0 else None
     if owner is not None:
         return owner.get_total_norm(norm_type, error_if_nonfinite)
+    hook = state_for(tensors, norm_type)
+    if hook is not None:
+        total = hook.total_norm().clone()  # the caller's own, as torch's is
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise P.nonfinite_total_error(norm_type)
+        return total
     if _is_dtensor(tensors):
         with torch.no_grad():
             total = _dtensor_total(tensors, norm_type)
@@ -277,6 +286,8 @@ def _scale_grads(parameters: list[Tensor], grads: list[Tensor], max_norm: float,
     targets, local_total = grads, total_norm
     if owner is not None:
         targets = owner.buffers
+    elif (hook := state_for(grads)) is not None:
+        targets = hook.buffers
     elif _is_dtensor(grads) and (spec := D.dtensor_locals(grads)) is not None:
         targets = [t for shards in spec[1].values() for t in shards]
         local_total = total_norm.to_local() if D.is_dtensor(total_norm) else total_norm
@@ -321,8 +332,11 @@ def clip_grad_norm_(
     norm of the gradients (viewed as one vector), float32 for fp32/bf16/fp16 gradients.
 
     When the gradients are exactly the views of a live :class:`gradfuse.GradBuckets`, both
-    passes run over its few flat buffers. ``process_group``: the gradients are this rank's
-    shard and the norm is over every rank's (see :func:`get_total_norm`).
+    passes run over its few flat buffers. When they are exactly those a DDP with
+    :func:`gradfuse.register_ddp_hook` has just reduced (untouched since, and ``norm_type`` the
+    hook's), the norm is the hook's and only the scale pass runs, over DDP's bucket buffers.
+    ``process_group``: the gradients are this rank's shard and the norm is over every rank's
+    (see :func:`get_total_norm`).
     """
     parameters = _parameters(parameters, warn_empty_generator=True)
     grads = _grads(parameters)
@@ -334,6 +348,14 @@ def clip_grad_norm_(
         owner = owner_of(grads) if norm_type > 0 else None
         if owner is not None:
             return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        hook = state_for(grads, norm_type)
+        if hook is not None:
+            # The norm was measured during backward: only the scale pass is left, over DDP's buckets.
+            total = hook.total_norm().clone()  # the caller's own, as torch's is
+            if error_if_nonfinite and not torch.isfinite(total):
+                raise P.nonfinite_total_error(norm_type)
+            torch.ops.gradfuse.clip_grads_with_norm_(hook.buffers, max_norm, total)
+            return total
         if not _is_dtensor(grads):
 
             def run(groups):

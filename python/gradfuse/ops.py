@@ -292,6 +292,37 @@ _register(
     _uclip_fake,
 )
 
+# --- unscale_norm_ ------------------------------------------------------------------------
+
+_UNORM = "gradfuse.unscale_norm_"
+
+
+def _unorm_impl(tensors: list[Tensor], inv_scale: Tensor, found_inf: Tensor, norm_type: float):
+    norm_type = P.check_norm_type(_UNORM, norm_type)
+    if not tensors:
+        return _zeros_like_scalar(inv_scale, torch.float32)
+    plan = P.make_plan(_UNORM, "tensors", tensors, inplace=True)
+    _check_amp_scalars(_UNORM, inv_scale, found_inf, plan.device)
+    P.check_empty_norm(_UNORM, "tensors", norm_type, plan.numels)
+    total = _backend(plan.device).unscale_norm_(plan, inv_scale, found_inf, norm_type)
+    plan.finish_inplace(tensors)
+    P.bump_versions([found_inf])
+    return total
+
+
+def _unorm_fake(tensors, inv_scale, found_inf, norm_type):
+    P.check_norm_type(_UNORM, norm_type)
+    device = _fake_device(_UNORM, "tensors", tensors)
+    _check_amp_scalars(_UNORM, inv_scale, found_inf, device)
+    return torch.empty((), dtype=_out_dtype(tensors), device=device)
+
+
+_register(
+    "unscale_norm_(Tensor(a!)[] tensors, Tensor inv_scale, Tensor(b!) found_inf, float norm_type) -> Tensor",
+    _unorm_impl,
+    _unorm_fake,
+)
+
 # --- accumulate_ --------------------------------------------------------------------------
 
 _ACC = "gradfuse.accumulate_"
@@ -422,6 +453,18 @@ def unscale_and_clip_(
     tensors = as_tensor_list(tensors)
     max_norm = check_max_norm("gradfuse.unscale_and_clip_", max_norm)
     return torch.ops.gradfuse.unscale_and_clip_(tensors, inv_scale, found_inf, max_norm, float(norm_type))
+
+
+def unscale_norm_(tensors: Tensor | Iterable[Tensor], inv_scale: Tensor, found_inf: Tensor, norm_type: float = 2.0):
+    """``t *= inv_scale`` in place, measuring as it goes: returns the ``norm_type``-norm of the
+    scaled values and sets ``found_inf`` to 1 if any element was inf or NaN (before scaling).
+
+    One read-write pass on the CPU (what a DDP bucket needs after a sum all-reduce: the average
+    and its norm together); on CUDA a read-only norm pass then the write. ``inv_scale`` and
+    ``found_inf`` are one-element float32 tensors on the tensors' device.
+    """
+    tensors = as_tensor_list(tensors)
+    return torch.ops.gradfuse.unscale_norm_(tensors, inv_scale, found_inf, float(norm_type))
 
 
 def accumulate_(dst: Tensor | Iterable[Tensor], src: Tensor | Iterable[Tensor], alpha: float = 1.0) -> None:

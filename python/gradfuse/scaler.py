@@ -16,6 +16,11 @@ state dict saved by either loads into the other. Two things change:
   device, and ``step`` hands the optimizer ``grad_scale = scale / clip_coef``, which it
   divides the gradients by as it reads them. Otherwise the gradients are unscaled and clipped
   in place, in two passes (a read, then one write of ``grad * inv_scale * clip_coef``).
+  Gradients that a DDP with gradfuse's hook (``gradfuse.register_ddp_hook``) has just reduced
+  were measured during backward: no read pass at all then (the norm is the hook's times
+  ``inv_scale``, ``found_inf`` the hook's), and the write pass, if any, runs over DDP's buckets.
+  The same holds without clipping: ``step`` on such an optimizer takes the hook's ``found_inf``,
+  and ``unscale_`` runs over the buckets.
 
 Clipping without loss scaling (bf16 or fp32 training) is the same call on a disabled scaler,
 ``GradScaler(enabled=False)``: ``scale`` returns the loss unchanged, ``update`` does nothing,
@@ -37,6 +42,7 @@ from torch.amp.grad_scaler import OptState
 
 from . import _plan as P
 from .clip import _TORCHS, _check_all, _combine_totals, _fused_groups
+from .ddp_hook import DDPHookState, state_for
 from .ops import check_max_norm, multi_tensor_scale_, unscale_and_check_, unscale_and_clip_, unscale_check_norm
 
 Tensor = torch.Tensor
@@ -99,6 +105,9 @@ class GradScaler(torch.amp.GradScaler):
         grads = _optimizer_grads(optimizer)
         if not allow_fp16 and any(g.dtype == torch.float16 for g in grads):
             raise ValueError("Attempting to unscale FP16 gradients.")
+        hook = state_for(grads)
+        if hook is not None:  # gradients a DDP with gradfuse's hook just reduced: its few buckets
+            grads = hook.buffers
         groups = _fused_groups(grads, one_device=False) if grads else {}
         if groups is not None:
             try:
@@ -117,6 +126,12 @@ class GradScaler(torch.amp.GradScaler):
         """For an optimizer that unscales as it reads: only check, in a read-only pass."""
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         grads = _optimizer_grads(optimizer)
+        hook = state_for(grads)
+        if hook is not None:  # checked during backward, by gradfuse's DDP hook
+            found = hook.found_inf().clone()  # torch's update() adds the other optimizers' flags into it
+            found = {found.device: found}
+            self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
+            return found
         groups = _fused_groups(grads, one_device=False) if grads else {}
         if groups is None:
             return super()._check_inf_per_device(optimizer)
@@ -148,15 +163,15 @@ class GradScaler(torch.amp.GradScaler):
         norm_type = P.check_norm_type(op, norm_type)
         self._check_ready(optimizer)
         grads = _optimizer_grads(optimizer)
+        hook = state_for(grads, norm_type)
+        if hook is not None:  # plain tensors on one device, measured during backward
+            scale, inv_scale = self._scales(hook.total_norm().device)
+            return self._clip_from_hook(optimizer, hook, scale, inv_scale, max_norm)
         groups = _fused_groups(grads, one_device=False) if grads else None
         if groups is None:
             return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type)
         first = next(iter(groups))
-        if self._enabled:
-            scale = self._scale.to(first)
-            inv_scale = scale.double().reciprocal().float()  # in fp64 then rounded, as torch's unscale_
-        else:
-            scale = inv_scale = torch.ones((), dtype=torch.float32, device=first)
+        scale, inv_scale = self._scales(first)
         try:
             with torch.no_grad():
                 _check_all(groups)
@@ -176,6 +191,33 @@ class GradScaler(torch.amp.GradScaler):
         except _TORCHS:
             return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type)
         self._record(optimizer, found, grad_scale)
+        return total
+
+    def _scales(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(scale, inv_scale) as 0-d float32 tensors on ``device``; 1 and 1 when disabled."""
+        if self._enabled:
+            scale = self._scale.to(device)
+            return scale, scale.double().reciprocal().float()  # in fp64 then rounded, as torch's unscale_
+        one = torch.ones((), dtype=torch.float32, device=device)
+        return one, one
+
+    def _clip_from_hook(
+        self, optimizer, hook: DDPHookState, scale: Tensor, inv_scale: Tensor, max_norm: float
+    ) -> Tensor:
+        """The gradients are those a DDP with gradfuse's hook has just reduced, and the hook has
+        measured them during backward: no pass over them here. The unscaled norm is the hook's
+        norm times ``inv_scale``; ``found_inf`` is the hook's. A fused optimizer then divides by
+        ``scale / clip_coef`` as it reads; otherwise one write pass over DDP's bucket buffers."""
+        found = hook.found_inf().clone()  # torch's update() adds the other optimizers' flags into it
+        with torch.no_grad():
+            total = hook.total_norm() * inv_scale
+            coef = clip_coef(total, max_norm)
+            if _folds(optimizer):
+                grad_scale = (scale / coef).float()
+            else:
+                grad_scale = None
+                multi_tensor_scale_(hook.buffers, (inv_scale * coef).float())
+        self._record(optimizer, {found.device: found}, grad_scale)
         return total
 
     @staticmethod

@@ -1,21 +1,29 @@
-"""The 2-rank data-parallel workload: ``GradBuckets`` against ``DistributedDataParallel``.
+"""The 2-rank data-parallel workload: DDP + gradfuse's hook against DDP + torch's clip.
 
 Two processes (spawned; gloo over a file rendezvous on this machine, NCCL on two GPUs), one
 thread each on the CPU, train copies of the same small transformer on the same per-rank
-batches. A timed step is a forward and a backward under one implementation; backward returns
-with every gradient averaged over both ranks, so the step is the whole cost of data-parallel
-gradient production: compute, bucketing, the overlapped all-reduces and the wait at the end.
+batches, both through ``DistributedDataParallel(model, gradient_as_bucket_view=True)`` and a
+fused AdamW, with active clipping. A timed step is forward + backward + clip + optimizer step:
 
-- ``torch``: ``DistributedDataParallel`` with its defaults (25 MB buckets, gradients copied
-  into and out of them), grads set to None between steps, as ``optimizer.zero_grad()`` does;
-- ``torch_bucket_view``: DDP with ``gradient_as_bucket_view=True``;
-- ``gradfuse``: ``GradBuckets(model.parameters(), process_group=...)``, ``zero_grad()`` between steps;
-- ``comm_only``: the all-reduces alone (GradBuckets' buffers, no backward): the communication
-  each step carries, for the per-step communication time.
+- ``torch``: ``torch.nn.utils.clip_grad_norm_`` then ``optimizer.step()``;
+- ``gradfuse``: the DDP hook (``gradfuse.register_ddp_hook``) measures each bucket's norm as
+  its all-reduce completes, during backward; after backward, ``GradScaler(enabled=False)``'s
+  ``unscale_and_clip_`` takes that norm (no pass over the gradients) and ``step`` folds the
+  clip into fused AdamW's read.
 
-Every implementation's gradients after one step on identical inputs are compared first. Steps
-alternate between implementations (in alternating order), both ranks start each one together
-(a barrier, untimed), and rank 0's wall times are reported. The rank count is fixed at two.
+Each step is also split, from the same timed runs: ``impl:after_backward`` is the part after
+``backward()`` returns (clip + optimizer step), ``impl:clip`` the gradient management alone
+(the clip call); their ``share`` is their fraction of the whole step. Bytes read and written
+after backward, N the gradients' elements (fp32), recorded per implementation as
+``after_backward_bytes``: torch 10N x 4 (the norm's read, the clip's read and write, AdamW's
+4 reads and 3 writes); gradfuse 7N x 4 (AdamW's alone). During backward both move the same
+bytes: DDP's default reduction divides each bucket before its all-reduce (a read and a write),
+the hook multiplies it after, in the same pass that measures it.
+
+Both implementations' gradients, norms and weights after one step on identical inputs are
+compared first. Steps alternate between implementations (in alternating order), both ranks
+start each one together (a barrier, untimed), and rank 0's wall times are reported. The rank
+count is fixed at two.
 """
 
 from __future__ import annotations
@@ -24,8 +32,6 @@ import datetime
 import gc
 import os
 import pickle
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,7 +46,11 @@ from .workloads import Workload
 
 WORLD = 2
 VOCAB = 512
-IMPLS = ("torch", "gradfuse", "torch_bucket_view", "comm_only")
+IMPLS = ("torch", "gradfuse")
+PARTS = ("after_backward", "clip")
+MAX_NORM = 0.05  # below the model's gradient norm: clipping is active
+#: Bytes read and written after backward, per gradient element's bytes (see the module docs).
+AFTER_BACKWARD_PASSES = {"torch": 10, "gradfuse": 7}
 
 
 def make_model(quick: bool) -> nn.Module:
@@ -73,9 +83,11 @@ def _worker(rank, init_file, out_file, quick, reps, budget_s, device_type):
     except Exception as err:  # reported by the parent
         result = {"error": f"rank {rank}: {type(err).__name__}: {err}"}
     Path(f"{out_file}.{rank}").write_bytes(pickle.dumps(result))
-    # DDP's reducer and GradBuckets (its hooks hold it in a reference cycle) keep the process
-    # group's threads referenced; left to interpreter exit, that intermittently aborted a rank
-    # ("terminate called without an active exception", 1 run in ~6). Free them first.
+    if "error" not in result:
+        dist.barrier()  # neither rank tears its connections down while the other still reduces
+    # DDP's reducer keeps the process group's threads referenced (a reference cycle); left to
+    # interpreter exit, that intermittently aborted a rank ("terminate called without an
+    # active exception", 1 run in ~6). Free them first.
     gc.collect()
     dist.destroy_process_group()
 
@@ -84,57 +96,71 @@ def _measure(rank: int, quick: bool, reps: int | None, budget_s: float, device: 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradfuse
+    from gradfuse.ddp_hook import state_for
 
     loss_fn = nn.CrossEntropyLoss()
-    models = {name: make_model(quick).to(device) for name in IMPLS[:3]}
-    ddp = DDP(models["torch"])
-    ddp_view = DDP(models["torch_bucket_view"], gradient_as_bucket_view=True)
-    buckets = gradfuse.GradBuckets(models["gradfuse"].parameters(), process_group=dist.group.WORLD)
-    comm_buffers = [torch.randn_like(b) for b in buckets.buffers]
-
-    def forward_backward(module):
-        def step(x, y):
-            loss_fn(module(x).flatten(0, 1), y.flatten()).backward()
-
-        return step
-
-    def comm_only(x, y):
-        works = [dist.all_reduce(b.div_(WORLD), async_op=True) for b in comm_buffers]
-        for work in works:
-            work.wait()
-
-    steps = {
-        "torch": forward_backward(ddp),
-        "gradfuse": forward_backward(models["gradfuse"]),
-        "torch_bucket_view": forward_backward(ddp_view),
-        "comm_only": comm_only,
-    }
-    zero = {
-        "torch": lambda: models["torch"].zero_grad(set_to_none=True),
-        "gradfuse": buckets.zero_grad,
-        "torch_bucket_view": lambda: models["torch_bucket_view"].zero_grad(set_to_none=False),
-        "comm_only": lambda: None,
-    }
+    models = {name: make_model(quick).to(device) for name in IMPLS}
+    ddps = {name: DDP(models[name], gradient_as_bucket_view=True) for name in IMPLS}
+    hook = gradfuse.register_ddp_hook(ddps["gradfuse"])
+    optimizers = {name: torch.optim.AdamW(models[name].parameters(), lr=1e-4, fused=True) for name in IMPLS}
+    scaler = gradfuse.GradScaler(device.type, enabled=False)  # clipping only, folded into AdamW
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
-    def run(name: str, step: int) -> float:
-        zero[name]()
+    def clip(name: str) -> torch.Tensor:
+        if name == "torch":
+            return torch.nn.utils.clip_grad_norm_(models["torch"].parameters(), MAX_NORM)
+        return scaler.unscale_and_clip_(optimizers["gradfuse"], MAX_NORM)
+
+    def optimizer_step(name: str) -> None:
+        if name == "torch":
+            optimizers["torch"].step()
+        else:
+            scaler.step(optimizers["gradfuse"])
+            scaler.update()
+
+    def run(name: str, step: int, check=None) -> tuple[float, float, float]:
+        """One step: (whole, after backward, clip) in µs."""
+        optimizers[name].zero_grad(set_to_none=False)  # the views stay DDP's bucket views
         x, y = _batch(rank, step, quick, device)
         sync()
         dist.barrier()
-        start = time.perf_counter()
-        steps[name](x, y)
+        t0 = time.perf_counter()
+        loss_fn(ddps[name](x).flatten(0, 1), y.flatten()).backward()
         sync()
-        return (time.perf_counter() - start) * 1e6
+        t1 = time.perf_counter()
+        if check is not None:
+            check(name)
+        norm = clip(name)
+        sync()
+        t2 = time.perf_counter()
+        optimizer_step(name)
+        sync()
+        t3 = time.perf_counter()
+        norms[name] = norm
+        return (t3 - t0) * 1e6, (t3 - t1) * 1e6, (t2 - t1) * 1e6
 
-    # Correctness: one step each on identical inputs; every rank checks, every rank raises.
-    for name in IMPLS[:3]:
-        run(name, 0)
-    ref = [p.grad for p in models["torch"].parameters()]
-    for name in IMPLS[1:3]:
-        for i, (a, b) in enumerate(zip(models[name].parameters(), ref, strict=True)):
-            if not torch.allclose(a.grad, b, rtol=1e-5, atol=1e-7):
-                raise BenchError(f"{name}: gradient {i} differs from DDP's by {(a.grad - b).abs().max():.3g}")
+    # Correctness: one step each from the same weights on identical inputs; every rank checks,
+    # every rank raises.
+    norms: dict[str, torch.Tensor] = {}
+    grads: dict[str, list[torch.Tensor]] = {}
+
+    def keep_grads(name):
+        grads[name] = [p.grad.clone() for p in models[name].parameters()]
+        if name == "gradfuse" and state_for([p.grad for p in models[name].parameters()], 2.0) is not hook:
+            raise BenchError("gradfuse: the hook's norm does not cover the gradients after backward")
+
+    for name in IMPLS:
+        run(name, 0, check=keep_grads)
+    for i, (a, b) in enumerate(zip(grads["gradfuse"], grads["torch"], strict=True)):
+        if not torch.equal(a, b):
+            raise BenchError(f"gradfuse: gradient {i} differs from DDP's by {(a - b).abs().max():.3g}")
+    if not torch.allclose(norms["gradfuse"], norms["torch"].float(), rtol=1e-5):
+        raise BenchError(f"gradfuse: norm {norms['gradfuse'].item()} where torch's is {norms['torch'].item()}")
+    if not norms["torch"].item() > MAX_NORM:
+        raise BenchError(f"clipping is not active (norm {norms['torch'].item()})")
+    for i, (a, b) in enumerate(zip(models["gradfuse"].parameters(), models["torch"].parameters(), strict=True)):
+        if not torch.allclose(a, b, rtol=1e-5, atol=1e-7):
+            raise BenchError(f"gradfuse: weight {i} after the step differs from torch's by {(a - b).abs().max():.3g}")
     # Warm-up, sizing the timed part on rank 0's round time (the same count on both ranks).
     start = time.perf_counter()
     for i in range(3):
@@ -145,11 +171,15 @@ def _measure(rank: int, quick: bool, reps: int | None, budget_s: float, device: 
         count = torch.tensor([max(10, min(200, int(budget_s / per_round)))])
         dist.broadcast(count, src=0)
         reps = int(count.item())
-    times: dict[str, list[float]] = {name: [] for name in IMPLS}
+    times: dict[str, list[float]] = {n: [] for name in IMPLS for n in (name, *(f"{name}:{p}" for p in PARTS))}
     for i in range(reps):
         for name in IMPLS if i % 2 == 0 else reversed(IMPLS):
-            times[name].append(run(name, i + 10))
-    return {"times": times, "n_tensors": len(buckets.params), "numel": sum(p.numel() for p in buckets.params)}
+            whole, after, clipping = run(name, i + 10)
+            times[name].append(whole)
+            times[f"{name}:after_backward"].append(after)
+            times[f"{name}:clip"].append(clipping)
+    params = list(models["torch"].parameters())
+    return {"times": times, "n_tensors": len(params), "numel": sum(p.numel() for p in params)}
 
 
 def run_ddp(workload: Workload, device: Device, reps: int | None) -> WorkloadResult:
@@ -181,15 +211,10 @@ def run_ddp(workload: Workload, device: Device, reps: int | None) -> WorkloadRes
     if errors:
         raise BenchError("; ".join(errors))
     found = results[0]
-    print(
-        f"  per step: communication {statistics.median(found['times']['comm_only']) / 1e3:.2f} ms",
-        file=sys.stderr,
-    )
-    return WorkloadResult(
-        workload,
-        found["n_tensors"],
-        found["numel"],
-        found["numel"] * workload.dtype.itemsize,  # gradient bytes reduced per step
-        1,
-        {name: ImplResult(name, times) for name, times in found["times"].items()},
-    )
+    grad_bytes = found["numel"] * workload.dtype.itemsize
+    impls = {}
+    for name, times in found["times"].items():
+        impl = ImplResult(name, times)
+        impl.notes["after_backward_bytes"] = AFTER_BACKWARD_PASSES[name.partition(":")[0]] * grad_bytes
+        impls[name] = impl
+    return WorkloadResult(workload, found["n_tensors"], found["numel"], grad_bytes, 1, impls)

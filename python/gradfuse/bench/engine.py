@@ -38,6 +38,7 @@ class ImplResult:
     times_us: list[float] = field(default_factory=list)
     host_us: list[float] = field(default_factory=list)
     launches: int | None = None
+    notes: dict = field(default_factory=dict)  # workload-specific fields for the record
 
 
 @dataclass

@@ -102,6 +102,7 @@ def build_records(run: RunResult, device: Device, date: datetime) -> list[dict]:
                 # ... and is this fraction of its implementation's whole step.
                 "share": stats["median_us"] / medians[whole] if part else None,
                 "buffer_sets": result.buffer_sets,
+                **impl.notes,
                 **common,
             }
             if device.type == "cuda":

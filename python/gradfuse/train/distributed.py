@@ -1,11 +1,12 @@
 """One process or several: where the trainer runs, and who holds the gradients.
 
-The trainer touches gradient management in two places besides clipping (which goes through
-the scaler): it zeroes the gradients before a step, and it lets backward skip communication
-on every micro-step but the last (``no_sync``). ``LocalGradients`` does that for one process
-(torch's own ``zero_grad``, nothing to skip); ``BucketGradients`` for data parallelism, with
-``gradfuse.GradBuckets`` over the process group: gradients in a few flat buckets, averaged
-across ranks while backward runs, ``no_sync`` on accumulation micro-steps.
+The trainer touches gradient management in three places besides clipping (which goes through
+the scaler): it calls ``grads.module`` for the loss, it zeroes the gradients before a step, and
+it lets backward skip communication on every micro-step but the last (``grads.no_sync()``).
+``LocalGradients`` does that for one process (the model itself, torch's own ``zero_grad``,
+nothing to skip); ``DDPGradients`` for data parallelism: torch's ``DistributedDataParallel``
+with ``gradient_as_bucket_view=True`` and gradfuse's communication hook, which measures the
+gradients' norm while backward runs, so that the scaler's clip reads no gradient afterwards.
 
 ``connect`` gives the ``World``: a single process, or, when a default process group exists
 (made by the caller, or here from torchrun's environment: gloo on CPU, NCCL on GPU), this
@@ -22,14 +23,16 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from ..buckets import GradBuckets
+from ..ddp_hook import register_ddp_hook
 
 
 class LocalGradients:
     """Gradients as autograd leaves them in ``param.grad``; nothing to communicate."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.module = model
         self.optimizer = optimizer
 
     def zero_grad(self) -> None:
@@ -39,18 +42,26 @@ class LocalGradients:
         return contextlib.nullcontext()
 
 
-class BucketGradients:
-    """Gradients as views into ``GradBuckets`` that average them across ``group`` in backward."""
+class DDPGradients:
+    """Gradients averaged across ``group`` by ``DistributedDataParallel`` (which also broadcasts
+    rank 0's weights and buffers), measured by gradfuse's hook as each bucket is reduced."""
 
-    def __init__(self, model: torch.nn.Module, group):
-        # Broadcasts rank 0's weights, as DistributedDataParallel does.
-        self.buckets = GradBuckets([p for p in model.parameters() if p.requires_grad], process_group=group)
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group, norm_type: float):
+        device = next(model.parameters()).device
+        self.module = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=group,
+            gradient_as_bucket_view=True,
+        )
+        self.hook = register_ddp_hook(self.module, norm_type=norm_type)
+        self.optimizer = optimizer
 
     def zero_grad(self) -> None:
-        self.buckets.zero_grad()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        return self.buckets.no_sync()
+        return self.module.no_sync()
 
 
 class World:
@@ -67,8 +78,11 @@ class World:
         """``value`` averaged over the ranks (a scalar on the training device)."""
         return value
 
-    def gradients(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        return LocalGradients(optimizer)
+    def gradients(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, norm_type: float = 2.0):
+        """Who holds the gradients: ``.module`` (what forward calls), ``.zero_grad()``,
+        ``.no_sync()``. ``norm_type``: the order the clip will ask for (measured in backward
+        under DDP; another order reads the gradients)."""
+        return LocalGradients(model, optimizer)
 
 
 class ProcessGroupWorld(World):
@@ -84,8 +98,8 @@ class ProcessGroupWorld(World):
         dist.all_reduce(total, group=self.group)  # a sum: gloo has no average
         return total / self.world_size
 
-    def gradients(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        return BucketGradients(model, self.group)
+    def gradients(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, norm_type: float = 2.0):
+        return DDPGradients(model, optimizer, self.group, norm_type)
 
 
 def training_device(requested: str | None, model: torch.nn.Module) -> torch.device:
@@ -101,9 +115,9 @@ def training_device(requested: str | None, model: torch.nn.Module) -> torch.devi
 
 
 def _destroy_process_group() -> None:
-    # GradBuckets sits in a reference cycle (its hooks hold it) and keeps the process group
-    # referenced: freed only at interpreter teardown, the group's threads could abort the
-    # process ("terminate called without an active exception", seen in the 2-rank bench).
+    # DDP's reducer sits in a reference cycle and keeps the process group referenced: freed
+    # only at interpreter teardown, the group's threads could abort the process ("terminate
+    # called without an active exception", seen in the 2-rank bench).
     gc.collect()
     dist.destroy_process_group()
 

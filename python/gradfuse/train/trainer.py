@@ -112,6 +112,7 @@ class Trainer:
         self.batches = BatchStream(train_data)
         checkpoint_activations(model, config.activation_checkpointing)
         self.grads = self.world.gradients(model, optimizer)  # zero_grad, no_sync
+        self.net = self.grads.module
         self.scheduler = build_scheduler(optimizer, config)
         self.scaler = GradScaler(self.device.type, enabled=config.precision == "fp16")
         self.param_names = {p: name for name, p in model.named_parameters()}
@@ -171,7 +172,7 @@ class Trainer:
             last = micro == cfg.grad_accum_steps - 1
             with contextlib.nullcontext() if last else self.grads.no_sync():
                 with self._autocast():
-                    micro_loss = self.loss_fn(self.model, batch) / cfg.grad_accum_steps
+                    micro_loss = self.loss_fn(self.net, batch) / cfg.grad_accum_steps
                 self.scaler.scale(micro_loss).backward()
             loss += micro_loss.detach()
         return loss, samples, tokens
@@ -252,7 +253,7 @@ class Trainer:
         total, count = torch.zeros((), device=self.device), 0
         for batch in self.eval_data:
             with self._autocast():
-                total += self.loss_fn(self.model, to_device(batch, self.device)).float()
+                total += self.loss_fn(self.net, to_device(batch, self.device)).float()
             count += 1
         self.model.train()
         return self.world.mean(total / max(count, 1)).item()
