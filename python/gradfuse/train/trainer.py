@@ -492,7 +492,11 @@ class Trainer:
                 group[key] = value
         changed += self._load_schedule(state["scheduler"])
         if state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
+            saved = dict(state["scaler"])
+            # torch grows the scale when its count of clean steps *equals* the interval: a count
+            # already past a shortened interval would never grow it again.
+            saved["_growth_tracker"] = min(saved["_growth_tracker"], self.config.growth_interval - 1)
+            self.scaler.load_state_dict(saved)
             # The scale and its growth tracker continue; the rule for them is the config's.
             self.scaler.set_growth_factor(self.config.growth_factor)
             self.scaler.set_backoff_factor(self.config.backoff_factor)
