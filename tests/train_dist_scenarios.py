@@ -146,3 +146,33 @@ def rank_0_writes_and_every_rank_resumes(rank, world):
         dist.barrier()
         if rank == 0:
             shutil.rmtree(folder.parent, ignore_errors=True)
+
+
+def token_exact_accumulation_over_ranks_and_micro_batches(rank, world):
+    """``loss_normalization="tokens"``: the micro-batches of each rank hold different numbers of
+    counted rows (the "tokens"), and the step's gradient is the mean over every counted row of
+    every micro-batch on every rank, as one process on the combined batch gives (float64)."""
+    gen = torch.Generator().manual_seed(11)
+    counted = [[4, 1], [2, 3]]  # [rank][micro]: rows counted out of 4 in each micro-batch
+    combined = []
+    for r in range(world):
+        for micro in range(ACCUM):
+            x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 2, generator=gen)
+            combined.append((r, x, y, torch.arange(4) < counted[r % 2][micro]))
+
+    def summed(model, batch):
+        x, y, mask = batch
+        return ((model(x) - y) ** 2).sum(-1)[mask].sum(), mask.sum()
+
+    net = model()
+    mine = [(x, y, mask) for r, x, y, mask in combined if r == rank]
+    cfg = settings(max_steps=1, max_grad_norm=None, loss_normalization="tokens")
+    (row,) = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.0), mine, cfg, loss_fn=summed).fit()
+
+    ref = model().double()
+    per_row = torch.cat([((ref(x.double()) - y.double()) ** 2).sum(-1)[mask] for _, x, y, mask in combined])
+    loss = per_row.mean()
+    loss.backward()
+    assert abs(row["loss"] - loss.item()) <= 1e-6 * loss.item(), (row["loss"], loss.item())
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.double(), q.grad, rtol=1e-5, atol=1e-7)
