@@ -118,7 +118,9 @@ def test_every_workload_has_torch_and_gradfuse_and_consistent_speedups(quick_run
     assert set(by_workload["accumulate_gpt2_bf16"]) == {"torch", "gradfuse", "torch_foreach"}
     assert set(by_workload["buckets_2000x4096_fp32_active"]) == {"torch", "gradfuse", "gradfuse_dropin"}
     assert set(by_workload["ddp_transformer_fp32"]) == {"torch", "gradfuse", "torch_bucket_view", "comm_only"}
-    assert set(by_workload["trainer_gpt2small_fp32"]) == {"torch", "gradfuse", "torch:grads", "gradfuse:grads"}
+    assert set(by_workload["trainer_gpt2small_fp32"]) == {
+        "torch", "gradfuse", "gradfuse_tokens", "torch:grads", "gradfuse:grads",
+    }  # fmt: skip
     for name, (n_tensors, passes) in CPU_WORKLOADS.items():
         impls = by_workload[name]
         assert {"torch", "gradfuse"} <= set(impls), name
