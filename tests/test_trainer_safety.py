@@ -405,3 +405,14 @@ def test_train_data_from_a_dataloader_with_workers_resumes(tmp_path):
     rows, resumed = run(4, resume=tmp_path / "2" / "step-00000002.pt")
     assert [r["step"] for r in rows] == [3, 4]
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))
+
+
+@pytest.mark.slow
+def test_the_checksum_benchmark_runs_quick():
+    script = os.path.join(os.path.dirname(__file__), "..", "benches", "checkpoint.py")
+    done = subprocess.run(
+        [sys.executable, script, "--quick", "--reps", "1"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout.splitlines()[-1])
+    assert set(record["median_s"]) == {"save", "save_no_crc", "verify", "load"} and record["size_bytes"] > 0
