@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gradfuse.train import TrainConfig, Trainer, lr_factor
+from gradfuse.train import TrainConfig, Trainer, TrainingInterrupted, lr_factor
 
 STEPS, ACCUM, PER_RANK = 4, 2, 4
 
@@ -176,3 +177,32 @@ def token_exact_accumulation_over_ranks_and_micro_batches(rank, world):
     assert abs(row["loss"] - loss.item()) <= 1e-6 * loss.item(), (row["loss"], loss.item())
     for p, q in zip(net.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad.double(), q.grad, rtol=1e-5, atol=1e-7)
+
+
+def a_signal_on_one_rank_stops_every_rank_after_the_same_step(rank, world):
+    """SIGINT reaches rank 1 only: it rides the step's loss all-reduce, so both ranks finish the
+    same step, rank 0 writes the checkpoint of it, and both raise TrainingInterrupted."""
+    folder = shared_folder("signal")
+
+    class SignalOnRank1:
+        def on_step_end(self, row):
+            if rank == 1 and row["step"] == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    net = model()
+    batches = my_share(combined_batches(STEPS * ACCUM, PER_RANK * world), rank, world)
+    cfg = settings(max_steps=50, checkpoint_dir=folder)
+    trainer = Trainer(net, torch.optim.AdamW(net.parameters()), batches, cfg, loss_fn=mse, callbacks=[SignalOnRank1()])
+    try:
+        try:
+            trainer.fit()
+            raise AssertionError("fit() ran to the end")
+        except TrainingInterrupted as stop:
+            assert stop.step == trainer.step == 3, stop.step
+            assert ("SIGINT" if rank == 1 else "a signal on another rank") in str(stop)
+        dist.barrier()
+        assert [p.name for p in folder.iterdir()] == ["step-00000003.pt"]
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -15,8 +15,9 @@ HOOKS = ("on_step_end", "on_eval", "on_save")
 
 
 class Callbacks:
-    def __init__(self, callbacks: Iterable):
-        if callbacks is None or isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
+    def __init__(self, callbacks: Iterable | None):
+        callbacks = () if callbacks is None else callbacks
+        if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
             raise TypeError(f"Trainer(callbacks=...) must be a list of callback objects, got {callbacks!r}")
         self.callbacks = list(callbacks)
         for i, callback in enumerate(self.callbacks):

@@ -198,7 +198,8 @@ class Trainer:
         loss, samples, tokens, divisor = self._forward_backward()
         grad_norm, found_inf = self._unscale_and_clip(divisor)
         # A stop signal rides the loss's all-reduce: every rank stops after the same step.
-        stop = torch.tensor(float(self._stop is not None and self._stop.received is not None), device=loss.device)
+        stopping = self._stop is not None and self._stop.received is not None
+        stop = torch.full((), float(stopping), device=loss.device)  # a fill, not a host-to-device copy
         shared = self.world.mean(torch.stack([loss.float(), stop]))
         # The step's one host sync: whether to step, and what to report.
         loss_value, stop_value, norm_value, overflow = torch.cat(
@@ -428,7 +429,7 @@ class Trainer:
             count += n
             batches += 1
         self.net.train()
-        empty = torch.tensor(float(batches == 0), dtype=torch.float64, device=self.device)
+        empty = torch.full((), float(batches == 0), dtype=torch.float64, device=self.device)
         total, count, empty = self.world.mean(torch.stack([total, count, empty])).tolist()
         if empty > 0:
             on = " on at least one rank" if self.world.world_size > 1 else ""
@@ -582,13 +583,13 @@ class Trainer:
 def _check_reiterable(name: str, data) -> None:
     """``train_data``/``eval_data`` is walked again and again (every epoch, every evaluation, a
     resume): a one-shot iterator would be empty from its second walk on."""
-    if isinstance(data, Iterator) or (hasattr(data, "__next__") and iter(data) is data):
+    if isinstance(data, Iterator):
         raise TypeError(
             f"{name} is a one-shot {type(data).__name__}: it is used up by its first pass, and the trainer walks "
             f"{name} again (every epoch, every evaluation, on resume). Pass a list, a DataLoader, or an object "
             "whose __iter__ starts a new pass"
         )
-    if not isinstance(data, Iterable):
+    if not isinstance(data, Iterable) and not hasattr(data, "__getitem__"):
         raise TypeError(f"{name} must be an iterable of batches (a list or a DataLoader), got {type(data).__name__}")
     if isinstance(data, (list, tuple)) and not data:
         raise ValueError(f"{name} is empty: it has no batches")
