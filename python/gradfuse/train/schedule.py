@@ -81,9 +81,17 @@ class FunctionLR(torch.optim.lr_scheduler.LRScheduler):
 
 
 def user_scheduler(optimizer: torch.optim.Optimizer, scheduler, config: TrainConfig):
-    """``Trainer(scheduler=...)``: a torch LR scheduler over ``optimizer``, or a ``step -> lr``
-    function. The config's own schedule fields must then be at their defaults: both would set
-    the learning rate, and one would be silently ignored."""
+    """``Trainer(scheduler=...)``: a torch LR scheduler over ``optimizer`` as it is, or a
+    ``step -> lr`` function run by ``FunctionLR``. Checked first by ``check_user_scheduler``."""
+    check_user_scheduler(optimizer, scheduler, config)
+    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        return scheduler
+    return FunctionLR(optimizer, scheduler)
+
+
+def check_user_scheduler(optimizer: torch.optim.Optimizer, scheduler, config: TrainConfig) -> None:
+    """The config's own schedule fields must be at their defaults (both would set the learning
+    rate, and one would be silently ignored); a scheduler must step on steps, over ``optimizer``."""
     clashes = {
         name: getattr(config, name)
         for name, default in (("lr", None), ("lr_schedule", "constant"), ("warmup_steps", 0), ("min_lr_ratio", 0.0))
@@ -99,10 +107,8 @@ def user_scheduler(optimizer: torch.optim.Optimizer, scheduler, config: TrainCon
     if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and not plateau:
         if scheduler.optimizer is not optimizer:
             raise ValueError("Trainer(scheduler=...) schedules another optimizer than the one given to the Trainer")
-        return scheduler
-    if plateau or not callable(scheduler):
+    elif plateau or not callable(scheduler):
         raise TypeError(
             f"Trainer(scheduler=...) must be a torch LR scheduler stepped once per optimizer step, or a function "
             f"step -> lr; got {type(scheduler).__name__}"
         )
-    return FunctionLR(optimizer, scheduler)

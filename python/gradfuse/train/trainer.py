@@ -42,7 +42,7 @@ from .data import BatchStream, batch_size, to_device, token_count
 from .distributed import connect, training_device
 from .interrupt import StopSignals, TrainingInterrupted
 from .metrics import Metrics, Throughput, check_tensorboard, peak_memory_mb
-from .schedule import FunctionLR, build_scheduler, user_scheduler
+from .schedule import FunctionLR, build_scheduler, check_user_scheduler, user_scheduler
 from .schedule import lr_factor as _lr_factor
 
 LossFn = Callable[[torch.nn.Module, object], torch.Tensor]
@@ -137,6 +137,8 @@ class Trainer:
                 "tokens); the default loss reads the model's mean loss"
             )
         self.callbacks = Callbacks(callbacks)
+        if scheduler is not None:
+            check_user_scheduler(optimizer, scheduler, config)
         _check_reiterable("train_data", train_data)
         if eval_data is not None:
             _check_reiterable("eval_data", eval_data)
