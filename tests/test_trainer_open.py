@@ -282,7 +282,7 @@ def test_token_exact_accumulation_gives_the_big_batchs_gradient(normalization):
             torch.allclose(p.grad.double(), g, rtol=1e-3) for p, g in zip(model.parameters(), ref_grads, strict=True)
         )
         return
-    assert row["loss"] == pytest.approx(ref_loss, rel=1e-6)
+    assert row["loss"] == pytest.approx(ref_loss, rel=1e-6) and row["target_tokens"] == 25
     for p, g in zip(model.parameters(), ref_grads, strict=True):
         torch.testing.assert_close(p.grad.double(), g, rtol=1e-5, atol=1e-7)  # fp32 sums of ~25 terms
 
@@ -333,3 +333,16 @@ def test_tokens_mode_evaluates_the_token_mean():
     )
     ref_loss, _ = big_batch_gradient(batches)
     assert trainer.evaluate() == pytest.approx(ref_loss, rel=1e-6)
+
+
+def test_a_step_without_target_tokens_is_skipped_and_said(caplog):
+    batches = padded_batches([[0, 0]])
+    model = TokenLM()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    cfg = config(max_steps=1, loss_normalization="tokens")
+    with caplog.at_level("WARNING", "gradfuse.train"):
+        (row,) = Trainer(model, optimizer, batches, cfg, loss_fn=summed_loss).fit()
+    assert row["target_tokens"] == 0 and row["nan_losses"] == 1  # a mean over no tokens: 0/0
+    assert "step 1: no target tokens in any micro-batch" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -203,12 +203,15 @@ class Trainer:
         stopping = self._stop is not None and self._stop.received is not None
         stop = torch.full((), float(stopping), device=loss.device)  # a fill, not a host-to-device copy
         shared = self.world.mean(torch.stack([loss.float(), stop]))
+        parts = [shared, grad_norm.float().to(loss.device).reshape(1), found_inf.to(loss.device).reshape(1)]
+        if divisor is not None:  # tokens: the step's target tokens over every rank
+            parts.append((divisor * self.world.world_size).reshape(1))
         # The step's one host sync: whether to step, and what to report.
-        loss_value, stop_value, norm_value, overflow = torch.cat(
-            [shared, grad_norm.float().to(loss.device).reshape(1), found_inf.to(loss.device).reshape(1)]
-        ).tolist()
+        loss_value, stop_value, norm_value, overflow, *target_tokens = torch.cat(parts).tolist()
         self._stopping = stop_value > 0
         row = {"step": self.step + 1, "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"]}
+        if target_tokens:
+            row["target_tokens"] = round(target_tokens[0])
         row["grad_norm"] = norm_value
         row["clip_coef"] = min(self._max_norm / (norm_value + 1e-6), 1.0) if math.isfinite(norm_value) else math.nan
         if not math.isfinite(loss_value):
@@ -254,7 +257,8 @@ class Trainer:
                 if by_tokens:
                     target_tokens += count
                     if last and self.world.world_size > 1:  # overlaps the last backward
-                        reduction = dist.all_reduce(target_tokens, group=self.world.group, async_op=True)
+                        group = getattr(self.world, "group", None)
+                        reduction = dist.all_reduce(target_tokens, group=group, async_op=True)
                 else:
                     micro_loss = micro_loss / cfg.grad_accum_steps
                 self.scaler.scale(micro_loss).backward()
@@ -402,6 +406,11 @@ class Trainer:
         return TrainingInterrupted(message, self.step, saved, received)
 
     def _skip_message(self, row: dict) -> str:
+        if row.get("target_tokens") == 0:  # a token mean over no tokens: 0/0
+            return (
+                f"step {row['step']}: no target tokens in any micro-batch (loss_fn counted 0); step skipped "
+                f"({self.nan_streak} in a row, training stops at {self.config.max_nan_losses})"
+            )
         if not math.isfinite(row["loss"]):
             return (
                 f"step {row['step']}: the loss is {row['loss']}; step skipped "
