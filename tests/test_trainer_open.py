@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import warnings
 
 import pytest
 import torch
@@ -346,3 +347,43 @@ def test_a_step_without_target_tokens_is_skipped_and_said(caplog):
     assert row["target_tokens"] == 0 and row["nan_losses"] == 1  # a mean over no tokens: 0/0
     assert "step 1: no target tokens in any micro-batch" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_the_readmes_nanogpt_example_schedule_and_loss_fn_train():
+    """The README's nanoGPT-style example, its get_lr and loss_fn as written, on a model that
+    returns (logits, loss) for (x, y) batches as nanoGPT's does."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "def get_lr" in b]
+    namespace = {}
+    exec(block.split("config = ")[0], namespace)  # the constants and get_lr
+    loss_fn = eval(re.search(r"loss_fn=(lambda .*?),\n", block).group(1))
+
+    class NanoGPTLike(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = TokenLM()
+
+        def forward(self, idx, targets=None):
+            logits = self.lm(idx)
+            return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    gen = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randint(0, 17, (2, 5), generator=gen), torch.randint(0, 17, (2, 5), generator=gen)) for _ in range(4)
+    ]
+    model = NanoGPTLike()
+    steps = [0, 199, 200, 2600, 5000, 5001]
+    trainer = Trainer(model, adamw(model), data, config(max_steps=6000), loss_fn=loss_fn, scheduler=namespace["get_lr"])
+    with warnings.catch_warnings():  # the schedule alone (no optimizer step): training 5000 steps is not the point
+        warnings.simplefilter("ignore", UserWarning)
+        for step in range(max(steps) + 2):
+            if step in steps:
+                assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(namespace["get_lr"](step))
+            trainer.scheduler.step()
+    (row,) = Trainer(
+        model, adamw(model), data, config(max_steps=1), loss_fn=loss_fn, scheduler=namespace["get_lr"]
+    ).fit()
+    assert row["lr"] == pytest.approx(6e-4 / 201) and math.isfinite(row["loss"])
