@@ -275,7 +275,8 @@ CHILD = textwrap.dedent(
     """
     import json, sys, time
     sys.path.insert(0, sys.argv[2])
-    from test_trainer import TinyLM, adamw, loader, config
+    import torch
+    from test_trainer import TinyLM, Tokens, adamw, config
     from gradfuse.train import Trainer, TrainingInterrupted
 
     class Announce:
@@ -285,7 +286,8 @@ CHILD = textwrap.dedent(
 
     model = TinyLM()
     cfg = config(max_steps=10_000, checkpoint_dir=sys.argv[1], save_every=5_000, progress=False, log_every=1000)
-    trainer = Trainer(model, adamw(model), loader(n=64, batch=8), cfg, callbacks=[Announce()])
+    data = torch.utils.data.DataLoader(Tokens(64), batch_size=8, shuffle=True, num_workers=2)
+    trainer = Trainer(model, adamw(model), data, cfg, callbacks=[Announce()])
     try:
         trainer.fit()
     except TrainingInterrupted as stop:
@@ -306,11 +308,15 @@ def _wait_for_line(proc, timeout: float) -> str:
 def test_a_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, sig):
     tests = os.path.dirname(__file__)
     command = [sys.executable, "-c", CHILD, str(tmp_path), tests]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    # A session of its own: SIGINT goes to the whole process group, DataLoader workers included,
+    # as Ctrl-C at a terminal does. SIGTERM goes to the training process: torch's workers exit on
+    # a SIGTERM of their own (see the README).
+    popen = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    with subprocess.Popen(command, **popen) as proc:
         try:
             line = _wait_for_line(proc, 90)
             assert line.startswith('{"step"'), proc.stderr.read() if proc.poll() is not None else "no step in 90 s"
-            proc.send_signal(sig)
+            os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
             lines = []
             while (line := _wait_for_line(proc, 60)) and '"stopped"' not in line:
                 lines.append(line)
