@@ -387,3 +387,28 @@ def test_the_readmes_nanogpt_example_schedule_and_loss_fn_train():
         model, adamw(model), data, config(max_steps=1), loss_fn=loss_fn, scheduler=namespace["get_lr"]
     ).fit()
     assert row["lr"] == pytest.approx(6e-4 / 201) and math.isfinite(row["loss"])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_unscale_and_clip_divisor_divides_the_gradients_in_the_same_pass(enabled, sparse):
+    """``GradScaler.unscale_and_clip_(..., divisor=d)``: norm, clip and gradients of grad / d
+    (sparse gradients take torch's path, with the division as one more pass)."""
+    emb = torch.nn.Embedding(10, 4, sparse=sparse)
+    lin = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD([*emb.parameters(), *lin.parameters()], lr=0.1)
+    scaler = __import__("gradfuse").GradScaler("cpu", init_scale=8.0, enabled=enabled)
+    loss = lin(emb(torch.tensor([1, 2, 2, 7]))).pow(2).sum()
+    scaler.scale(loss).backward()
+    scale = 8.0 if enabled else 1.0
+    expected = [
+        (p.grad.to_dense() if p.grad.is_sparse else p.grad).double() / (scale * 5.0)
+        for p in optimizer.param_groups[0]["params"]
+    ]
+    norm_ref = torch.linalg.vector_norm(torch.stack([g.norm() for g in expected]))
+    divisor = torch.tensor(5.0)
+    norm = scaler.unscale_and_clip_(optimizer, max_norm=0.5 * norm_ref.item(), divisor=divisor)
+    assert norm.item() == pytest.approx(norm_ref.item(), rel=1e-5)
+    for p, g in zip(optimizer.param_groups[0]["params"], expected, strict=True):
+        got = p.grad.to_dense() if p.grad.is_sparse else p.grad
+        torch.testing.assert_close(got.double(), g * 0.5, rtol=1e-5, atol=1e-7)

@@ -222,8 +222,9 @@ class GradScaler(torch.amp.GradScaler):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if self._enabled:
             self.unscale_(optimizer)
-        if divisor is not None and params:  # no fused pass to fold it into here: one more
-            torch._foreach_div_([p.grad for p in params], torch.as_tensor(divisor, device=params[0].grad.device))
+        if divisor is not None:  # no fused pass to fold it into here: one more
+            for p in params:
+                p.grad.div_(torch.as_tensor(divisor, device=p.grad.device))
         total = clip_grad_norm_(params, max_norm, norm_type)
         if self._enabled:
             return total
