@@ -166,6 +166,10 @@ class Metrics:
 
 
 def _is_terminal(stream) -> bool:
+    """Whether a progress bar can redraw itself there: a terminal, or a Jupyter kernel (where
+    tqdm.auto draws a widget)."""
+    if "ipykernel" in sys.modules:
+        return True
     try:
         return stream.isatty()
     except (AttributeError, ValueError):  # replaced by an object without it, or closed
