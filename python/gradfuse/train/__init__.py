@@ -2,8 +2,9 @@
 
 ``config`` (the validated dataclass), ``trainer`` (the loop), ``schedule`` (warmup + decay),
 ``checkpoint`` (atomic checksummed files, RNG states), ``data`` (a resumable batch stream),
-``metrics`` (JSON lines, TensorBoard, progress, throughput, memory), ``callbacks`` (the user's
-hooks), ``interrupt`` (SIGINT/SIGTERM: finish the step, save, stop), ``distributed`` (gradient
+``metrics`` (JSON lines, TensorBoard, progress, throughput, memory), ``resume`` (which
+checkpoint, and the settings given now over the saved ones), ``callbacks`` (the user's hooks),
+``interrupt`` (SIGINT/SIGTERM: finish the step, save, stop), ``distributed`` (gradient
 management per process layout).
 """
 

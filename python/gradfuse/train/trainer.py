@@ -36,14 +36,14 @@ import torch.utils.checkpoint
 from ..ops import multi_tensor_norm
 from ..scaler import GradScaler
 from . import checkpoint
+from . import resume as resuming
 from .callbacks import Callbacks
 from .config import TrainConfig
 from .data import BatchStream, batch_size, to_device, token_count
 from .distributed import connect, training_device
 from .interrupt import StopSignals, TrainingInterrupted
 from .metrics import Metrics, Throughput, check_tensorboard, peak_memory_mb
-from .schedule import FunctionLR, build_scheduler, check_user_scheduler, user_scheduler
-from .schedule import lr_factor as _lr_factor
+from .schedule import build_scheduler, check_user_scheduler, user_scheduler
 
 LossFn = Callable[[torch.nn.Module, object], torch.Tensor]
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,8 +51,6 @@ logger = logging.getLogger("gradfuse.train")
 # torch warns when a schedule moves before the optimizer has stepped: a skipped first step does that
 # on purpose. The filter's message is a regular expression, hence the escape.
 _SCHEDULE_FIRST = re.escape("Detected call of `lr_scheduler.step()` before `optimizer.step()`")
-# Keys of a torch scheduler's state dict that say where it is, not what it is.
-_SCHEDULER_PROGRESS = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial"}
 
 
 class NonFiniteLossError(RuntimeError):
@@ -186,7 +184,7 @@ class Trainer:
         self._stopping = False  # a stop signal reached some rank: stop after this step
         _seed_everything(config.seed)
         if resume is not None:
-            path, state = self._resolve(resume)
+            path, state = resuming.resolve(resume, config.checkpoint_dir, announce=self.world.is_main)
             if state is not None:
                 self._load_state(state, path)
 
@@ -488,31 +486,19 @@ class Trainer:
         self._load_state(checkpoint.load_checkpoint(path), Path(path))
 
     def _load_state(self, state: dict, path: Path) -> None:
-        """Load ``state``, keeping what the user passes now where it differs from what was
-        saved: the optimizer's hyperparameters, the peak learning rates and the schedule (the
-        config's, or a ``step -> lr`` function), clipping, the loss scaler's settings. What
-        changed is logged."""
-        changed = _config_changes(state.get("config", {}), self.config.to_dict())
-        self.model.load_state_dict(_module_keys(state["model"], self.model))
-        groups = self.optimizer.param_groups
-        mine = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in groups]
-        self.optimizer.load_state_dict(state["optimizer"])
-        for i, (group, settings) in enumerate(zip(self.optimizer.param_groups, mine, strict=True)):
-            for key, value in settings.items():
-                if key in group and not _same(group[key], value):
-                    changed.append(f"optimizer param group {i} {key} {group[key]!r} -> {value!r}")
-                group[key] = value
-        changed += self._load_schedule(state["scheduler"])
+        """Load ``state``; the settings given now win where they differ from the saved ones
+        (module ``resume``), and what changed is logged once."""
+        cfg = self.config
+        changed = resuming.config_changes(state.get("config", {}), cfg.to_dict())
+        self.model.load_state_dict(resuming.module_state(state["model"], self.model))
+        changed += resuming.load_optimizer(self.optimizer, state["optimizer"])
+        changed += resuming.load_schedule(self.scheduler, state["scheduler"], self.optimizer, self._base_lrs)
         if state["scaler"]:
-            saved = dict(state["scaler"])
-            # torch grows the scale when its count of clean steps *equals* the interval: a count
-            # already past a shortened interval would never grow it again.
-            saved["_growth_tracker"] = min(saved["_growth_tracker"], self.config.growth_interval - 1)
-            self.scaler.load_state_dict(saved)
             # The scale and its growth tracker continue; the rule for them is the config's.
-            self.scaler.set_growth_factor(self.config.growth_factor)
-            self.scaler.set_backoff_factor(self.config.backoff_factor)
-            self.scaler.set_growth_interval(self.config.growth_interval)
+            self.scaler.load_state_dict(resuming.scaler_state(state["scaler"], cfg.growth_interval))
+            self.scaler.set_growth_factor(cfg.growth_factor)
+            self.scaler.set_backoff_factor(cfg.backoff_factor)
+            self.scaler.set_growth_interval(cfg.growth_interval)
         self.step = state["step"]
         counters = state["counters"]
         self.skipped, self.nan_losses, self.nan_streak = (counters[k] for k in ("skipped", "nan_losses", "nan_streak"))
@@ -525,67 +511,6 @@ class Trainer:
                 f"resuming from {path} (step {self.step}) with settings that differ from the checkpoint's; the ones "
                 f"given now apply from step {self.step + 1}: " + "; ".join(changed)
             )
-
-    def _load_schedule(self, saved: dict) -> list[str]:
-        """The schedule's position from ``saved``; for the config's schedule and a ``step ->
-        lr`` function, the learning rate of the next step recomputed from what is given now
-        (the peak lrs and the rule). A torch scheduler of the user's resumes from its state
-        dict, as torch's recipe does: settings it carries that differ are reported."""
-        scheduler = self.scheduler
-        if not (isinstance(scheduler, FunctionLR) or self._own_schedule):
-            before = scheduler.state_dict()
-            scheduler.load_state_dict(saved)
-            return [
-                f"scheduler {key} {value!r} (yours: {before[key]!r}) kept from the checkpoint: a torch scheduler "
-                "resumes from its state dict; pass a step -> lr function to change the schedule on resume"
-                for key, value in saved.items()
-                if key not in _SCHEDULER_PROGRESS and key in before and not _same(before[key], value)
-            ]
-        changed = [
-            f"peak lr of param group {i} {old!r} -> {new!r}"
-            for i, (old, new) in enumerate(zip(saved.get("base_lrs", []), self._base_lrs, strict=False))
-            if not _same(old, new) and not isinstance(scheduler, FunctionLR)
-        ]
-        scheduler.load_state_dict(saved)
-        scheduler.base_lrs = list(self._base_lrs)
-        if isinstance(scheduler, FunctionLR):
-            lrs = scheduler.get_lr()
-        else:
-            factors = scheduler.lr_lambdas
-            lrs = [base * f(scheduler.last_epoch) for base, f in zip(self._base_lrs, factors, strict=True)]
-        for group, base, lr in zip(self.optimizer.param_groups, self._base_lrs, lrs, strict=True):
-            group["initial_lr"], group["lr"] = base, lr
-        scheduler._last_lr = list(lrs)  # what get_last_lr() reports
-        return changed
-
-    @property
-    def _own_schedule(self) -> bool:
-        """Whether the schedule is the config's (built here) rather than the user's."""
-        return isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR) and all(
-            isinstance(f, functools.partial) and f.func is _lr_factor for f in self.scheduler.lr_lambdas
-        )
-
-    def _resolve(self, resume: str | os.PathLike) -> tuple[Path | None, dict | None]:
-        """The checkpoint to resume from: (path, state), or (None, None) to start fresh."""
-        if resume != "latest":
-            return Path(resume), checkpoint.load_checkpoint(resume)
-        folder = self.config.checkpoint_dir
-        if folder is None:
-            raise ValueError("resume='latest' needs TrainConfig.checkpoint_dir: the folder to look in")
-        path, state, refused = checkpoint.newest_valid_checkpoint(folder)
-        if refused and path is None:
-            raise checkpoint.CheckpointError(
-                f"resume='latest': no checkpoint in {folder} can be used: " + " ".join(why for _, why in refused)
-            )
-        if refused and self.world.is_main:
-            names = ", ".join(p.name for p, _ in refused)
-            logger.warning(
-                f"resume='latest': the newest checkpoint(s) {names} in {folder} cannot be used, resuming from the "
-                f"newest valid one, {path.name}. {refused[0][1]}"
-            )
-        if path is None and self.world.is_main:
-            logger.warning(f"resume='latest': no checkpoint in {folder} yet; starting from step 0")
-        return path, state
 
     def __repr__(self) -> str:
         return f"Trainer(step={self.step}/{self.config.max_steps}, precision={self.config.precision!r})"
@@ -604,31 +529,6 @@ def _check_reiterable(name: str, data) -> None:
         raise TypeError(f"{name} must be an iterable of batches (a list or a DataLoader), got {type(data).__name__}")
     if isinstance(data, (list, tuple)) and not data:
         raise ValueError(f"{name} is empty: it has no batches")
-
-
-def _config_changes(saved: dict, now: dict) -> list[str]:
-    return [f"{key} {saved[key]!r} -> {value!r}" for key, value in now.items() if key in saved and saved[key] != value]
-
-
-def _same(a, b) -> bool:
-    try:
-        return bool(a == b) if not isinstance(a, (tuple, list)) else list(a) == list(b)
-    except (RuntimeError, TypeError):  # tensors of several elements
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-
-
-def _module_keys(saved: dict, model: torch.nn.Module) -> dict:
-    """``saved`` with the prefixes ``torch.compile`` (``_orig_mod.``) and DDP (``module.``) add
-    removed where the model's own names lack them, so either kind of checkpoint loads."""
-    own = set(model.state_dict())
-    if set(saved) <= own:
-        return saved
-    fixed = {}
-    for key, value in saved.items():
-        while key not in own and key.startswith(("_orig_mod.", "module.")):
-            key = key.split(".", 1)[1]
-        fixed[key] = value
-    return fixed
 
 
 def _seed_everything(seed: int) -> None:
