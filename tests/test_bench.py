@@ -123,7 +123,9 @@ def test_every_workload_has_torch_and_gradfuse_and_consistent_speedups(quick_run
     # fused AdamW's 7 passes, which are all gradfuse has left (the hook measured in backward).
     for impl, passes in (("torch", 10), ("gradfuse", 7)):
         assert ddp[impl]["after_backward_bytes"] == passes * ddp[impl]["numel"] * 4
-    assert set(by_workload["trainer_gpt2small_fp32"]) == {"torch", "gradfuse", "torch:grads", "gradfuse:grads"}
+    assert set(by_workload["trainer_gpt2small_fp32"]) == {
+        "torch", "gradfuse", "gradfuse_tokens", "torch:grads", "gradfuse:grads",
+    }  # fmt: skip
     for name, (n_tensors, passes) in CPU_WORKLOADS.items():
         impls = by_workload[name]
         assert {"torch", "gradfuse"} <= set(impls), name

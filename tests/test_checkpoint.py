@@ -97,7 +97,7 @@ def test_a_truncated_checkpoint_is_a_clear_error_and_the_previous_one_still_load
     with pytest.raises(CheckpointError, match=r"step-00000008.pt cannot be read as a checkpoint, it may be truncated"):
         load_checkpoint(newest)
     with pytest.raises(CheckpointError, match=r"Other checkpoints in .*: step-00000004.pt"):
-        _run(tmp_path, resume="latest")
+        _run(tmp_path, resume=newest)
     trainer = _run(tmp_path, resume=tmp_path / "step-00000004.pt", max_steps=5, save_every=None)
     assert trainer.step == 5
 

@@ -18,6 +18,8 @@ SCENARIOS = [
     "two_ranks_match_one_process_on_the_combined_batch",
     "communication_only_on_the_last_micro_step",
     "rank_0_writes_and_every_rank_resumes",
+    "token_exact_accumulation_over_ranks_and_micro_batches",
+    "a_signal_on_one_rank_stops_every_rank_after_the_same_step",
 ]
 
 

@@ -343,6 +343,7 @@ def test_exports():
 
 def test_a_missing_tqdm_is_a_clear_warning_and_training_goes_on(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    monkeypatch.setattr(gradfuse.train.metrics, "_is_terminal", lambda stream: True)  # the bar is for terminals
     model = TinyLM()
     with pytest.warns(UserWarning, match=r"progress=True needs tqdm \(pip install tqdm\)"):
         rows = Trainer(model, adamw(model), loader(), config(max_steps=2, progress=True)).fit()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gradfuse.train import TrainConfig, Trainer, lr_factor
+from gradfuse.train import TrainConfig, Trainer, TrainingInterrupted, lr_factor
 
 STEPS, ACCUM, PER_RANK = 4, 2, 4
 
@@ -149,3 +150,62 @@ def rank_0_writes_and_every_rank_resumes(rank, world):
         dist.barrier()
         if rank == 0:
             shutil.rmtree(folder.parent, ignore_errors=True)
+
+
+def token_exact_accumulation_over_ranks_and_micro_batches(rank, world):
+    """``loss_normalization="tokens"``: the micro-batches of each rank hold different numbers of
+    counted rows (the "tokens"), and the step's gradient is the mean over every counted row of
+    every micro-batch on every rank, as one process on the combined batch gives (float64)."""
+    gen = torch.Generator().manual_seed(11)
+    counted = [[4, 1], [2, 3]]  # [rank][micro]: rows counted out of 4 in each micro-batch
+    combined = []
+    for r in range(world):
+        for micro in range(ACCUM):
+            x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 2, generator=gen)
+            combined.append((r, x, y, torch.arange(4) < counted[r % 2][micro]))
+
+    def summed(model, batch):
+        x, y, mask = batch
+        return ((model(x) - y) ** 2).sum(-1)[mask].sum(), mask.sum()
+
+    net = model()
+    mine = [(x, y, mask) for r, x, y, mask in combined if r == rank]
+    cfg = settings(max_steps=1, max_grad_norm=None, loss_normalization="tokens")
+    (row,) = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.0), mine, cfg, loss_fn=summed).fit()
+
+    ref = model().double()
+    per_row = torch.cat([((ref(x.double()) - y.double()) ** 2).sum(-1)[mask] for _, x, y, mask in combined])
+    loss = per_row.mean()
+    loss.backward()
+    assert abs(row["loss"] - loss.item()) <= 1e-6 * loss.item(), (row["loss"], loss.item())
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.double(), q.grad, rtol=1e-5, atol=1e-7)
+
+
+def a_signal_on_one_rank_stops_every_rank_after_the_same_step(rank, world):
+    """SIGINT reaches rank 1 only: it rides the step's loss all-reduce, so both ranks finish the
+    same step, rank 0 writes the checkpoint of it, and both raise TrainingInterrupted."""
+    folder = shared_folder("signal")
+
+    class SignalOnRank1:
+        def on_step_end(self, row):
+            if rank == 1 and row["step"] == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    net = model()
+    batches = my_share(combined_batches(STEPS * ACCUM, PER_RANK * world), rank, world)
+    cfg = settings(max_steps=50, checkpoint_dir=folder)
+    trainer = Trainer(net, torch.optim.AdamW(net.parameters()), batches, cfg, loss_fn=mse, callbacks=[SignalOnRank1()])
+    try:
+        try:
+            trainer.fit()
+            raise AssertionError("fit() ran to the end")
+        except TrainingInterrupted as stop:
+            assert stop.step == trainer.step == 3, stop.step
+            assert ("SIGINT" if rank == 1 else "a signal on another rank") in str(stop)
+        dist.barrier()
+        assert [p.name for p in folder.iterdir()] == ["step-00000003.pt"]
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)

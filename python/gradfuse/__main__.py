@@ -49,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run
 
-        return run(args)
+        try:
+            return run(args)
+        except KeyboardInterrupt:  # Ctrl-C before training started (during it, the demo saves and says so)
+            print("\ngradfuse demo: interrupted", file=sys.stderr)
+            return 130
     from .bench import BenchError, bench
 
     command = ["gradfuse", *(sys.argv[1:] if argv is None else argv)]

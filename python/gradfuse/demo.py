@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .train import CheckpointError, TrainConfig, Trainer, latest_checkpoint
+from .train import CheckpointError, TrainConfig, Trainer, TrainingInterrupted, latest_checkpoint
 
 TEXT_BYTES = 4 * 2**20  # how much of the standard library to read
 HELD_OUT_EVERY = 20  # every 20th window is held out for evaluation (256 of them are used)
@@ -176,6 +176,15 @@ def run(args: argparse.Namespace) -> int:
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         print("gradfuse demo: error: --device cuda, but torch sees no CUDA GPU; use --device cpu", file=sys.stderr)
         return 2
+    out: Path = args.out
+    if out.exists() and not out.is_dir():
+        print(f"gradfuse demo: error: --out {out} is a file; give a folder (made if missing)", file=sys.stderr)
+        return 2
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        print(f"gradfuse demo: error: --out {out} cannot be made: {err.strerror or err}", file=sys.stderr)
+        return 2
     # Under torchrun each rank trains on its own share of the windows; rank 0 reports.
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     say = functools.partial(print, file=sys.stderr) if rank == 0 else lambda *args: None
@@ -203,7 +212,6 @@ def run(args: argparse.Namespace) -> int:
         betas=(0.9, 0.95),
         fused=fused,
     )
-    out: Path = args.out
     config = TrainConfig(
         max_steps=args.steps,
         precision=args.precision,
@@ -229,11 +237,18 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         trainer = Trainer(model, optimizer, train, config, eval_data=eval_batches, resume=args.resume)
-    except (CheckpointError, FileNotFoundError) as err:
+    except (CheckpointError, FileNotFoundError, OSError) as err:
         print(f"gradfuse demo: error: {err}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    trainer.fit()
+    try:
+        trainer.fit()
+    except TrainingInterrupted as stop:
+        say(
+            f"\ngradfuse demo: stopped by {stop.signal} after step {stop.step}; checkpoint {stop.checkpoint} written. "
+            f"Continue with: python -m gradfuse demo --out {out} --steps {args.steps} --resume"
+        )
+        return 130  # the shell's status for a run stopped by Ctrl-C
     elapsed = time.perf_counter() - start
     if rank != 0:
         return 0

@@ -70,6 +70,13 @@ def _folds(optimizer: torch.optim.Optimizer) -> bool:
     return getattr(optimizer, "_step_supports_amp_scaling", False) and not _takes_grad_scaler(type(optimizer))
 
 
+def _refuse_fp16(grads: list[Tensor]) -> None:
+    """torch's rule for an enabled scaler, kept by ``unscale_`` and ``unscale_and_clip_`` alike:
+    fp16 gradients would lose what the loss scale protects once unscaled in place."""
+    if any(g.dtype == torch.float16 for g in grads):
+        raise ValueError("Attempting to unscale FP16 gradients.")
+
+
 @functools.cache
 def _takes_grad_scaler(optimizer_type: type) -> bool:
     return "grad_scaler" in inspect.signature(optimizer_type.step).parameters  # ~60 us: once per class
@@ -103,8 +110,8 @@ class GradScaler(torch.amp.GradScaler):
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         """Every unscale of torch's scaler comes through here: one fused pass per device."""
         grads = _optimizer_grads(optimizer)
-        if not allow_fp16 and any(g.dtype == torch.float16 for g in grads):
-            raise ValueError("Attempting to unscale FP16 gradients.")
+        if not allow_fp16:
+            _refuse_fp16(grads)
         hook = state_for(grads)
         if hook is not None:  # gradients a DDP with gradfuse's hook just reduced: its few buckets
             grads = hook.buffers
@@ -147,7 +154,14 @@ class GradScaler(torch.amp.GradScaler):
 
     # --- unscale + check + norm + clip --------------------------------------------------------
 
-    def unscale_and_clip_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
+    def unscale_and_clip_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        divisor: Tensor | float | None = None,
+    ) -> Tensor:
         """Unscale the optimizer's gradients, check them for inf/NaN, and clip them to
         ``max_norm`` (torch's rule: ``grad *= min(max_norm / (norm + 1e-6), 1)``); returns the
         ``norm_type``-norm of the unscaled gradients (fp32, or fp64 for fp64 gradients), before
@@ -157,21 +171,28 @@ class GradScaler(torch.amp.GradScaler):
         ``unscale_`` + ``clip_grad_norm_``. For an optimizer that takes ``grad_scale`` (fused
         Adam/AdamW/SGD/Adagrad) the gradients are only read here; the unscale and the clip are
         applied by ``step``, inside the optimizer's own read. No host sync.
+
+        ``divisor`` (a number or a 0-d tensor, e.g. the step's token count on the device)
+        divides the gradients as well, folded into the unscale factor at no extra pass: the
+        norm, the clip and the step are those of ``grad / divisor``. As ``unscale_``, an
+        enabled scaler refuses fp16 gradients (``ValueError``, nothing modified).
         """
         op = "GradScaler.unscale_and_clip_"
         max_norm = check_max_norm(op, max_norm)
         norm_type = P.check_norm_type(op, norm_type)
         self._check_ready(optimizer)
         grads = _optimizer_grads(optimizer)
+        if self._enabled:
+            _refuse_fp16(grads)
         hook = state_for(grads, norm_type)
         if hook is not None:  # plain tensors on one device, measured during backward
-            scale, inv_scale = self._scales(hook.total_norm().device)
+            scale, inv_scale = self._scales(hook.total_norm().device, divisor)
             return self._clip_from_hook(optimizer, hook, scale, inv_scale, max_norm)
         groups = _fused_groups(grads, one_device=False) if grads else None
         if groups is None:
-            return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type)
+            return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type, divisor)
         first = next(iter(groups))
-        scale, inv_scale = self._scales(first)
+        scale, inv_scale = self._scales(first, divisor)
         try:
             with torch.no_grad():
                 _check_all(groups)
@@ -189,17 +210,23 @@ class GradScaler(torch.amp.GradScaler):
                     total = unscale_and_clip_(groups[first], inv_scale, found[first], max_norm, norm_type)
                     grad_scale = None
         except _TORCHS:
-            return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type)
+            return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type, divisor)
         self._record(optimizer, found, grad_scale)
         return total
 
-    def _scales(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """(scale, inv_scale) as 0-d float32 tensors on ``device``; 1 and 1 when disabled."""
+    def _scales(self, device: torch.device, divisor=None) -> tuple[Tensor, Tensor]:
+        """(scale, inv_scale) as 0-d float32 tensors on ``device``: the loss scale (1 when
+        disabled) times ``divisor`` when given (folded in: ``grad / (scale * divisor)`` is one
+        factor), and its reciprocal, taken in fp64 then rounded, as torch's ``unscale_``."""
         if self._enabled:
             scale = self._scale.to(device)
-            return scale, scale.double().reciprocal().float()  # in fp64 then rounded, as torch's unscale_
-        one = torch.ones((), dtype=torch.float32, device=device)
-        return one, one
+        else:
+            scale = torch.ones((), dtype=torch.float32, device=device)
+        if divisor is not None:
+            scale = scale * torch.as_tensor(divisor, device=device).float()
+        elif not self._enabled:
+            return scale, scale
+        return scale, scale.double().reciprocal().float()
 
     def _clip_from_hook(
         self, optimizer, hook: DDPHookState, scale: Tensor, inv_scale: Tensor, max_norm: float
@@ -231,16 +258,19 @@ class GradScaler(torch.amp.GradScaler):
         total = _combine_totals(norms, norm_type)
         return total, found, clip_coef(total, max_norm).to(inv_scale.device)
 
-    def _unscale_and_clip_by_torch(self, optimizer, max_norm: float, norm_type: float) -> Tensor:
+    def _unscale_and_clip_by_torch(self, optimizer, max_norm: float, norm_type: float, divisor=None) -> Tensor:
         """Gradients gradfuse cannot run (sparse, DTensor, ...): torch's unscale_ and clip."""
         from .clip import clip_grad_norm_
 
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if self._enabled:
             self.unscale_(optimizer)
-            total = clip_grad_norm_(params, max_norm, norm_type)
-            return total
+        if divisor is not None:  # no fused pass to fold it into here: one more
+            for p in params:
+                p.grad.div_(torch.as_tensor(divisor, device=p.grad.device))
         total = clip_grad_norm_(params, max_norm, norm_type)
+        if self._enabled:
+            return total
         found = (~torch.isfinite(total)).float()
         self._record(optimizer, {total.device: found}, None)
         return total

@@ -15,7 +15,10 @@
   time the gradient management alone, on the same model after an untimed forward and
   backward: ``torch:grads`` (``clip_grad_norm_``) and ``gradfuse:grads`` (the Trainer's
   ``unscale_and_clip_`` + ``found_inf``); their ``share`` is their fraction of the whole
-  step of the same implementation.
+  step of the same implementation. ``gradfuse_tokens`` is the Trainer's step with
+  ``loss_normalization="tokens"`` (summed loss, target tokens counted on the device, the
+  division folded into the unscale factor); every micro-batch has the same token count, so
+  it takes the same step as the others, and its time against ``gradfuse``'s is the mode's cost.
 """
 
 from __future__ import annotations
@@ -208,6 +211,14 @@ def _gradfuse_trainer_step(trainer):
     return trainer.train_step()["loss"]
 
 
+def _summed_loss(model, batch):
+    """``loss_normalization="tokens"``: the summed loss and the target tokens, counted on the device."""
+    labels = batch["labels"]
+    logits = model(batch["input_ids"]).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    return loss, (labels != -100).sum()
+
+
 def _torch_grads(loop: HandLoop):
     return loop.clip()
 
@@ -232,6 +243,7 @@ class TrainerFamily(Family):
         return {
             "torch": _torch_trainer_step,
             "gradfuse": _gradfuse_trainer_step,
+            "gradfuse_tokens": _gradfuse_trainer_step,
             "torch:grads": _torch_grads,
             "gradfuse:grads": _gradfuse_grads,
         }
@@ -246,9 +258,10 @@ class TrainerFamily(Family):
             return HandLoop(model, optimizer, self.batches)
         config = gradfuse.TrainConfig(
             max_steps=10**6, grad_accum_steps=ACCUM_STEPS, max_grad_norm=MAX_NORM, lr=LR, lr_schedule="cosine",
-            min_lr_ratio=0.1, progress=False,
+            min_lr_ratio=0.1, progress=False, loss_normalization="tokens" if impl == "gradfuse_tokens" else "mean",
         )  # fmt: skip
-        return gradfuse.Trainer(model, optimizer, self.batches, config)
+        loss_fn = _summed_loss if impl == "gradfuse_tokens" else None
+        return gradfuse.Trainer(model, optimizer, self.batches, config, loss_fn=loss_fn)
 
     @property
     def set_bytes(self):
@@ -274,10 +287,10 @@ class TrainerFamily(Family):
     def compare(self, outs, buffers):
         (name,) = outs.keys() - {"torch"}
         reference = buffers["torch"]
-        if name == "gradfuse":  # the same first step from the same weights
-            if not math.isclose(outs["gradfuse"], outs["torch"], rel_tol=1e-6):
-                raise BenchError(f"the Trainer's loss {outs['gradfuse']:.8g}, the torch loop's {outs['torch']:.8g}")
-            assert_same_step("Trainer", buffers["gradfuse"].optimizer, reference.optimizer, 1e-4)
+        if name in ("gradfuse", "gradfuse_tokens"):  # the same first step from the same weights
+            if not math.isclose(outs[name], outs["torch"], rel_tol=1e-6):
+                raise BenchError(f"the Trainer's loss {outs[name]:.8g} ({name}), the torch loop's {outs['torch']:.8g}")
+            assert_same_step("Trainer", buffers[name].optimizer, reference.optimizer, 1e-4)
         elif not math.isclose(float(outs[name]), float(reference.norm), rel_tol=1e-5):
             raise BenchError(
                 f"{name} measured norm {float(outs[name]):.8g}, the torch loop {float(reference.norm):.8g}"

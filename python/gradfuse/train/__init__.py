@@ -1,13 +1,16 @@
 """The minimal trainer: ``TrainConfig`` and ``Trainer``, in rooms of their own.
 
 ``config`` (the validated dataclass), ``trainer`` (the loop), ``schedule`` (warmup + decay),
-``checkpoint`` (atomic files, RNG states), ``data`` (a resumable batch stream), ``metrics``
-(JSON lines, progress bar, throughput, memory), ``distributed`` (gradient management per
-process layout).
+``checkpoint`` (atomic checksummed files, RNG states), ``data`` (a resumable batch stream),
+``metrics`` (JSON lines, TensorBoard, progress, throughput, memory), ``resume`` (which
+checkpoint, and the settings given now over the saved ones), ``callbacks`` (the user's hooks),
+``interrupt`` (SIGINT/SIGTERM: finish the step, save, stop), ``distributed`` (gradient
+management per process layout).
 """
 
 from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from .config import TrainConfig
+from .interrupt import TrainingInterrupted
 from .schedule import lr_factor
 from .trainer import NonFiniteLossError, Trainer, model_loss
 
@@ -16,6 +19,7 @@ __all__ = [
     "NonFiniteLossError",
     "TrainConfig",
     "Trainer",
+    "TrainingInterrupted",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",

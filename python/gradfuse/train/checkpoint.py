@@ -9,13 +9,22 @@ checkpoints untouched. Only the ``keep_last`` newest are kept.
 
 Files are read with ``torch.load(weights_only=True)`` (no code runs from a checkpoint), so
 everything in one is a tensor, a number, a string or a container of those.
+
+Checksums: ``torch.save`` writes a zip archive whose every record (the pickle and each
+tensor's storage) carries the CRC-32 of its bytes, computed as it is written (forced on here,
+whatever ``torch.utils.serialization.config`` says). ``load_checkpoint`` checks every record
+against its CRC before unpickling: bytes overwritten anywhere are a ``CheckpointError``, not
+an optimizer state full of inf and NaN. ``newest_valid_checkpoint`` walks back to the newest
+file that passes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
+import zipfile
 from pathlib import Path
 
 import torch
@@ -24,6 +33,7 @@ FORMAT = "gradfuse.Trainer checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 _TEMP_PREFIX = ".saving-"
+BEST = "best.pt"  # the checkpoint with the lowest eval loss (keep_best), apart from the step-*.pt
 
 
 class CheckpointError(RuntimeError):
@@ -48,28 +58,87 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, keep_last: int) -> Path:
+def check_directory(directory: str | os.PathLike, what: str = "TrainConfig.checkpoint_dir") -> Path:
+    """Make ``directory`` (and its parents) and check that a file can be written there, so that
+    a folder that cannot hold checkpoints is an error before training, not at the first save."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f"{_TEMP_PREFIX}probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise OSError(err.errno, f"{what} {os.fspath(directory)!r} cannot hold files: {err.strerror or err}") from err
+    return directory
+
+
+def save_checkpoint(
+    directory: str | os.PathLike, step: int, state: dict, keep_last: int, name: str | None = None
+) -> Path:
     """Write ``state`` as the checkpoint of ``step`` atomically; delete all but the ``keep_last``
-    newest checkpoints (and the temporary file of a save that was killed). Returns the path."""
+    newest checkpoints (and the temporary file of a save that was killed). Returns the path.
+    ``name`` (e.g. ``best.pt``) writes that file instead, outside the ``keep_last`` rotation.
+    An ``OSError`` (a full disk) names the file it could not write."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(f"{_TEMP_PREFIX}*"):
         stale.unlink(missing_ok=True)
-    final = checkpoint_path(directory, step)
+    final = checkpoint_path(directory, step) if name is None else directory / name
     temp = directory / f"{_TEMP_PREFIX}{final.name}"
     try:
-        with open(temp, "wb") as f:
+        with open(temp, "wb") as f, _crc32_on():
             torch.save({"format": FORMAT, "version": VERSION, **state}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, final)
+    except OSError as err:
+        temp.unlink(missing_ok=True)
+        raise OSError(
+            err.errno, f"could not write the checkpoint {final}: {err.strerror or err}", os.fspath(final)
+        ) from err
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
     _fsync_directory(directory)  # make the rename itself durable
-    for old in list_checkpoints(directory)[:-keep_last]:
-        old.unlink()
+    if name is None:
+        for old in list_checkpoints(directory)[:-keep_last]:
+            old.unlink()
     return final
+
+
+@contextlib.contextmanager
+def _crc32_on():
+    """torch computes each record's CRC-32 while writing unless told not to; the check on load
+    relies on it, so it is on for the save whatever the process's setting."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # older torch: always computed
+        yield
+        return
+    before = config.save.compute_crc32
+    config.save.compute_crc32 = True
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = before
+
+
+def verify_checksums(path: str | os.PathLike) -> None:
+    """Check every record of the zip archive at ``path`` against its CRC-32 (``CheckpointError``
+    naming the first record that differs, or why the archive cannot be read)."""
+    path = Path(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads each record, compares its CRC-32
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        raise CheckpointError(
+            f"{path} cannot be read as a checkpoint, it may be truncated or corrupt ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}).{_others(path)}"
+        ) from err
+    if bad is not None:
+        raise CheckpointError(
+            f"{path} is corrupt: the checksum (CRC-32) of its record {bad!r} does not match its bytes.{_others(path)}"
+        )
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -89,6 +158,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint file at {path}")
+    verify_checksums(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
@@ -103,6 +173,18 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
             f"{path} has checkpoint format version {state.get('version')!r}; this gradfuse reads {VERSION}"
         )
     return state
+
+
+def newest_valid_checkpoint(directory: str | os.PathLike) -> tuple[Path | None, dict | None, list[tuple[Path, str]]]:
+    """The newest checkpoint in ``directory`` that loads: (its path, its state, [(newer file,
+    why it was refused), ...]); (None, None, refused) when none does."""
+    refused = []
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            return path, load_checkpoint(path), refused
+        except CheckpointError as err:
+            refused.append((path, str(err)))
+    return None, None, refused
 
 
 def _others(path: Path) -> str:

@@ -16,6 +16,7 @@ import torch
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+LOSS_NORMALIZATIONS = ("mean", "tokens")
 
 
 @dataclass(frozen=True)
@@ -40,19 +41,36 @@ class TrainConfig:
     device: str | None = None  # where to train; None: where the model already is
     eval_every: int | None = None  # steps between evaluations on eval_data; None: at the end only
     max_nan_losses: int = 5  # non-finite losses in a row before training stops
+    eval_batches: int | None = None  # batches of eval_data per evaluation; None: all of them
+    keep_best: bool = False  # also keep best.pt, the checkpoint with the lowest eval loss so far
+    loss_normalization: str = "mean"  # mean: loss / grad_accum_steps | tokens: summed loss / the step's tokens
+    compile: bool = False  # run the model through torch.compile (checkpoints keep the module's own names)
+    tensorboard_dir: str | os.PathLike | None = None  # TensorBoard event files of the metrics rows (needs tensorboard)
+    # The fp16 loss scaler's settings (torch.amp.GradScaler's); unused in fp32 and bf16.
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "grad_accum_steps", "keep_last", "log_every", "max_nan_losses"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("save_every", "eval_every"):
+        for name in ("save_every", "eval_every", "eval_batches"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         _check_int("warmup_steps", self.warmup_steps, minimum=0)
+        _check_int("growth_interval", self.growth_interval, minimum=1)
         _check_int("seed", self.seed, minimum=None)
         if self.warmup_steps > self.max_steps:
             _fail("warmup_steps", f"is longer than training: {self.warmup_steps} > max_steps={self.max_steps}")
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _check_choice("loss_normalization", self.loss_normalization, LOSS_NORMALIZATIONS)
+        for name, low, high in (("init_scale", 0, math.inf), ("growth_factor", 1, math.inf), ("backoff_factor", 0, 1)):
+            value = getattr(self, name)
+            _check_real(name, value)
+            if not low < value < high:
+                _fail(name, f"must be between {low} and {high} (exclusive), got {value!r}")
         if self.max_grad_norm is not None:
             _check_real("max_grad_norm", self.max_grad_norm)
             if not 0 < self.max_grad_norm < math.inf:
@@ -70,14 +88,17 @@ class TrainConfig:
         names = self.activation_checkpointing
         if isinstance(names, str) or not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
             _fail("activation_checkpointing", f"must be a list of module class names, got {names!r}", TypeError)
-        for name in ("checkpoint_dir", "metrics_path"):
+        for name in ("checkpoint_dir", "metrics_path", "tensorboard_dir"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 _fail(name, f"must be a path or None, got {type(value).__name__}", TypeError)
         if self.save_every is not None and self.checkpoint_dir is None:
             _fail("save_every", "is set but checkpoint_dir is None: where should the checkpoints go?")
-        if not isinstance(self.progress, bool):
-            _fail("progress", f"must be True or False, got {self.progress!r}", TypeError)
+        for name in ("progress", "keep_best", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, f"must be True or False, got {getattr(self, name)!r}", TypeError)
+        if self.keep_best and self.checkpoint_dir is None:
+            _fail("keep_best", "is set but checkpoint_dir is None: where should the best checkpoint go?")
         if self.device is not None:
             try:
                 torch.device(self.device)

@@ -1,9 +1,12 @@
 """What training reports: metrics rows as JSON lines, a progress bar, throughput and memory.
 
 ``Metrics`` owns the outputs of one ``fit``: the rows it returns, the JSON-lines file (one
-row per line, flushed as written; non-finite numbers are written as ``null``) and the tqdm
-progress bar. ``Throughput`` counts samples and tokens between logged steps. Only the process
-that ``Metrics`` is told is the main one writes anything.
+row per line, flushed as written; non-finite numbers are written as ``null``), TensorBoard
+event files (``torch.utils.tensorboard``, when a folder is given) and the progress: a tqdm bar
+on a terminal, and where stderr is not one (a log file, a batch job) a plain line every
+``every`` steps instead of a bar's carriage-return redraws. ``Throughput`` counts samples and
+tokens between logged steps. Only the process that ``Metrics`` is told is the main one writes
+anything.
 """
 
 from __future__ import annotations
@@ -73,14 +76,22 @@ class Metrics:
         total_steps: int,
         start_step: int,
         main_process: bool = True,
+        tensorboard_dir: str | os.PathLike | None = None,
+        every: int = 10,
     ):
         self.rows: list[dict] = []
         self.main_process = main_process
         self.path = Path(path) if path is not None and main_process else None
+        self.tensorboard_dir = tensorboard_dir if main_process else None
         self._bar_wanted = progress and main_process
         self.total_steps, self.start_step = total_steps, start_step
+        self.every = every
+        self._step = start_step
         self._file = None
         self._bar = None
+        self._plain = False  # progress as a line every `every` steps (stderr is not a terminal)
+        self._started = time.perf_counter()
+        self._tensorboard = None
 
     def __enter__(self) -> Metrics:
         if self.path is not None:
@@ -89,7 +100,11 @@ class Metrics:
             self._file = open(self.path, "w")
             self._file.writelines(kept)
             self._file.flush()
-        if self._bar_wanted:
+        if self.tensorboard_dir is not None:
+            self._tensorboard = tensorboard_writer(self.tensorboard_dir, self.start_step)
+        if self._bar_wanted and not _is_terminal(sys.stderr):
+            self._plain = True
+        elif self._bar_wanted:
             try:
                 from tqdm.auto import tqdm
             except ImportError:
@@ -113,18 +128,34 @@ class Metrics:
             self._file.close()
         if self._bar is not None:
             self._bar.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
     def progress(self, loss: float, lr: float) -> None:
-        """Advance the bar by one step."""
+        """Advance the progress by one step."""
+        self._step += 1
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
             self._bar.update(1)
+        elif self._plain and (self._step % self.every == 0 or self._step == self.total_steps):
+            rate = (self._step - self.start_step) / max(time.perf_counter() - self._started, 1e-9)
+            print(
+                f"train: step {self._step}/{self.total_steps} loss {loss:.4f} lr {lr:.2e} ({rate:.2f} steps/s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def write(self, row: dict) -> None:
         self.rows.append(row)
         if self._file is not None:
             self._file.write(json.dumps({k: _json_value(v) for k, v in row.items()}) + "\n")
             self._file.flush()
+        if self._tensorboard is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    tag = "eval/loss" if key == "eval_loss" else f"train/{key}"
+                    self._tensorboard.add_scalar(tag, value, row["step"])
+            self._tensorboard.flush()
 
     def message(self, text: str) -> None:
         """A line for the person watching, printed above the progress bar."""
@@ -132,3 +163,34 @@ class Metrics:
             self._bar.write(text, file=sys.stderr)
         elif self.main_process:
             logger.warning(text)
+
+
+def _is_terminal(stream) -> bool:
+    """Whether a progress bar can redraw itself there: a terminal, or a Jupyter kernel (where
+    tqdm.auto draws a widget)."""
+    if "ipykernel" in sys.modules:
+        return True
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
+
+
+def check_tensorboard() -> None:
+    """``TrainConfig.tensorboard_dir`` needs the ``tensorboard`` package; say so before training."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "TrainConfig.tensorboard_dir is set, but the tensorboard package is not installed: "
+            "pip install 'gradfuse[tensorboard]' (or pip install tensorboard), or set tensorboard_dir=None"
+        ) from err
+
+
+def tensorboard_writer(folder: str | os.PathLike, start_step: int):
+    """A ``SummaryWriter`` into ``folder``; a resumed run (``start_step`` > 0) drops the events
+    written after its checkpoint, as the JSON-lines file does."""
+    check_tensorboard()
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(os.fspath(folder), purge_step=start_step + 1 if start_step else None)

@@ -2,7 +2,8 @@
 
 ``lr_factor`` is the whole rule (nanoGPT's ``get_lr``, as a fraction of the peak learning
 rate); ``build_scheduler`` hands it to torch's ``LambdaLR``, whose state dict the checkpoints
-carry.
+carry. ``user_scheduler`` takes the user's own instead (``Trainer(scheduler=...)``): a torch
+scheduler, or a ``step -> lr`` function run by ``FunctionLR``.
 """
 
 from __future__ import annotations
@@ -53,3 +54,61 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> to
         min_lr_ratio=config.min_lr_ratio,
     )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class FunctionLR(torch.optim.lr_scheduler.LRScheduler):
+    """The learning rate of every param group is ``lr_at(step)`` (0-based optimizer step), a
+    user's function such as nanoGPT's ``get_lr``. Its state dict holds the step count only:
+    on resume the function the user passes now is the schedule."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_at):
+        self.lr_at = lr_at
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        lr = self.lr_at(self.last_epoch)
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+            lr = lr.item()
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < math.inf:
+            raise ValueError(
+                f"Trainer(scheduler=...) returned {lr!r} for step {self.last_epoch}: a learning rate must be a "
+                "non-negative finite number"
+            )
+        return [float(lr)] * len(self.optimizer.param_groups)
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_at")}
+
+
+def user_scheduler(optimizer: torch.optim.Optimizer, scheduler, config: TrainConfig):
+    """``Trainer(scheduler=...)``: a torch LR scheduler over ``optimizer`` as it is, or a
+    ``step -> lr`` function run by ``FunctionLR``. Checked first by ``check_user_scheduler``."""
+    check_user_scheduler(optimizer, scheduler, config)
+    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        return scheduler
+    return FunctionLR(optimizer, scheduler)
+
+
+def check_user_scheduler(optimizer: torch.optim.Optimizer, scheduler, config: TrainConfig) -> None:
+    """The config's own schedule fields must be at their defaults (both would set the learning
+    rate, and one would be silently ignored); a scheduler must step on steps, over ``optimizer``."""
+    clashes = {
+        name: getattr(config, name)
+        for name, default in (("lr", None), ("lr_schedule", "constant"), ("warmup_steps", 0), ("min_lr_ratio", 0.0))
+        if getattr(config, name) != default
+    }
+    if clashes:
+        settings = ", ".join(f"TrainConfig.{k}={v!r}" for k, v in clashes.items())
+        raise ValueError(
+            f"Trainer(scheduler=...) sets the learning rate, and so would {settings}: leave those at their "
+            "defaults when you bring your own schedule (or drop scheduler= to use the config's)"
+        )
+    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)  # steps on a metric
+    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and not plateau:
+        if scheduler.optimizer is not optimizer:
+            raise ValueError("Trainer(scheduler=...) schedules another optimizer than the one given to the Trainer")
+    elif plateau or not callable(scheduler):
+        raise TypeError(
+            f"Trainer(scheduler=...) must be a torch LR scheduler stepped once per optimizer step, or a function "
+            f"step -> lr; got {type(scheduler).__name__}"
+        )

@@ -19,26 +19,38 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import logging
 import math
 import os
 import random
+import re
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
 
 from ..ops import multi_tensor_norm
 from ..scaler import GradScaler
 from . import checkpoint
+from . import resume as resuming
+from .callbacks import Callbacks
 from .config import TrainConfig
 from .data import BatchStream, batch_size, to_device, token_count
 from .distributed import connect, training_device
-from .metrics import Metrics, Throughput, peak_memory_mb
-from .schedule import build_scheduler
+from .interrupt import StopSignals, TrainingInterrupted
+from .metrics import Metrics, Throughput, check_tensorboard, peak_memory_mb
+from .schedule import build_scheduler, check_user_scheduler, user_scheduler
 
 LossFn = Callable[[torch.nn.Module, object], torch.Tensor]
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+logger = logging.getLogger("gradfuse.train")
+# torch warns when a schedule moves before the optimizer has stepped: a skipped first step does that
+# on purpose. The filter's message is a regular expression, hence the escape.
+_SCHEDULE_FIRST = re.escape("Detected call of `lr_scheduler.step()` before `optimizer.step()`")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -47,7 +59,14 @@ class NonFiniteLossError(RuntimeError):
 
 def model_loss(model: torch.nn.Module, batch) -> torch.Tensor:
     """The default loss: ``model(**batch)`` for a dict batch, ``model(batch)`` otherwise; the
-    output's ``.loss``, or the output itself when it is a scalar tensor."""
+    output's ``.loss``, or the output itself when it is a scalar tensor. A tuple or list batch
+    (``(x, y)``) is refused: which part is the input is for ``loss_fn`` to say."""
+    if isinstance(batch, (tuple, list)):
+        raise TypeError(
+            f"the batch is a {type(batch).__name__} of {len(batch)}, and the default loss cannot tell the input "
+            "from the target (it calls model(**batch) for a dict, model(batch) for a tensor); pass "
+            "Trainer(..., loss_fn=lambda model, batch: torch.nn.functional.cross_entropy(model(batch[0]), batch[1]))"
+        )
     output = model(**batch) if isinstance(batch, Mapping) else model(batch)
     loss = getattr(output, "loss", output)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -80,9 +99,14 @@ class Trainer:
 
     ``train_data`` is any re-iterable of batches (a ``DataLoader``, shuffled or not); it is
     walked epoch after epoch until ``config.max_steps`` optimizer steps are done. ``loss_fn(model,
-    batch)`` gives the loss (default: ``model_loss``). ``eval_data``, when given, is evaluated
+    batch)`` gives the loss (default: ``model_loss``); with ``loss_normalization="tokens"`` it
+    returns ``(summed loss, number of target tokens)``. ``eval_data``, when given, is evaluated
     every ``config.eval_every`` steps and at the end. ``resume`` is a checkpoint path, or
-    ``"latest"`` for the newest in ``config.checkpoint_dir`` (none there: start fresh).
+    ``"latest"`` for the newest valid one in ``config.checkpoint_dir`` (none there: start fresh);
+    the settings passed now win over the checkpoint's, and what changed is logged.
+    ``scheduler`` is the user's own learning-rate schedule (a torch LR scheduler over
+    ``optimizer``, or a function ``step -> lr``) in place of the config's; ``callbacks`` are
+    objects with some of ``on_step_end(row)``, ``on_eval(row)``, ``on_save(path)``.
 
     Under ``torchrun`` (or with a default process group already made) it trains data-parallel:
     each rank on its own ``train_data``, gradients averaged through ``gradfuse.GradBuckets``,
@@ -99,32 +123,70 @@ class Trainer:
         loss_fn: LossFn | None = None,
         eval_data: Iterable | None = None,
         resume: str | os.PathLike | None = None,
+        scheduler=None,
+        callbacks: Iterable = (),
     ):
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a gradfuse.TrainConfig, got {type(config).__name__}")
+        # Everything that can be checked before training is, before anything is changed.
+        if config.loss_normalization == "tokens" and loss_fn is None:
+            raise ValueError(
+                "TrainConfig.loss_normalization='tokens' needs a loss_fn returning (summed loss, number of target "
+                "tokens); the default loss reads the model's mean loss"
+            )
+        self.callbacks = Callbacks(callbacks)
+        if scheduler is not None:
+            check_user_scheduler(optimizer, scheduler, config)
+        _check_reiterable("train_data", train_data)
+        if eval_data is not None:
+            _check_reiterable("eval_data", eval_data)
+        elif config.keep_best:
+            raise ValueError("TrainConfig.keep_best keeps the checkpoint with the lowest eval loss: it needs eval_data")
+        if config.tensorboard_dir is not None:
+            check_tensorboard()
         self.config = config
         self.device = training_device(config.device, model)
-        self.model = model.to(self.device)
+        self.model = model.to(self.device)  # the user's module: checkpoints hold its state dict
         self.world = connect(self.device)
+        if config.checkpoint_dir is not None and self.world.is_main:
+            checkpoint.check_directory(config.checkpoint_dir)
         self.optimizer = optimizer
         self.loss_fn = loss_fn or model_loss
         self.eval_data = eval_data
         self.batches = BatchStream(train_data)
         checkpoint_activations(model, config.activation_checkpointing)
-        self.grads = self.world.gradients(model, optimizer)  # zero_grad, no_sync
-        self.net = self.grads.module
-        self.scheduler = build_scheduler(optimizer, config)
-        self.scaler = GradScaler(self.device.type, enabled=config.precision == "fp16")
+        self.grads = self.world.gradients(model, optimizer, config.norm_type)  # zero_grad, no_sync
+        self.net = self.grads.module  # what forward calls go through (DDP's wrapper under data parallelism)
+        if config.compile:
+            self.net = torch.compile(self.net)
+        if scheduler is None:
+            self.scheduler = build_scheduler(optimizer, config)
+        else:
+            self.scheduler = user_scheduler(optimizer, scheduler, config)
+        self._base_lrs = list(self.scheduler.base_lrs)  # the user's peak lrs: they win on resume
+        self.scaler = GradScaler(
+            self.device.type,
+            init_scale=config.init_scale,
+            growth_factor=config.growth_factor,
+            backoff_factor=config.backoff_factor,
+            growth_interval=config.growth_interval,
+            enabled=config.precision == "fp16",
+        )
         self.param_names = {p: name for name, p in model.named_parameters()}
 
         self.step = 0  # optimizer steps done
         self.skipped = 0  # steps skipped because the gradients overflowed
         self.nan_losses = 0  # steps skipped because the loss was not finite
         self.nan_streak = 0
+        self.best_eval_loss = math.inf  # for keep_best
+        self.resumed_from: Path | None = None
+        self._stop: StopSignals | None = None  # set while fit() runs
+        self._stopping = False  # a stop signal reached some rank: stop after this step
         _seed_everything(config.seed)
-        path = self._resolve(resume) if resume is not None else None
-        if path is not None:
-            self.load(path)
+        if resume is not None:
+            path, state = resuming.resolve(resume, config.checkpoint_dir, announce=self.world.is_main)
+            if state is not None:
+                self._load_state(state, path)
 
     # --- one optimizer step -----------------------------------------------------------------
 
@@ -133,13 +195,21 @@ class Trainer:
         (``step``, ``loss``, ``lr``, ``grad_norm``, ``clip_coef``, ``skipped``, ...). The model
         is trained in whatever mode it is in (``fit`` puts it in training mode)."""
         self.grads.zero_grad()
-        loss, samples, tokens = self._forward_backward()
-        grad_norm, found_inf = self._unscale_and_clip()
+        loss, samples, tokens, divisor = self._forward_backward()
+        grad_norm, found_inf = self._unscale_and_clip(divisor)
+        # A stop signal rides the loss's all-reduce: every rank stops after the same step.
+        stopping = self._stop is not None and self._stop.received is not None
+        stop = torch.full((), float(stopping), device=loss.device)  # a fill, not a host-to-device copy
+        shared = self.world.mean(torch.stack([loss.float(), stop]))
+        parts = [shared, grad_norm.float().to(loss.device).reshape(1), found_inf.to(loss.device).reshape(1)]
+        if divisor is not None:  # tokens: the step's target tokens over every rank
+            parts.append((divisor * self.world.world_size).reshape(1))
         # The step's one host sync: whether to step, and what to report.
-        loss_value, norm_value, overflow = torch.stack(
-            [self.world.mean(loss).float(), grad_norm.float().to(loss.device), found_inf.to(loss.device)]
-        ).tolist()
+        loss_value, stop_value, norm_value, overflow, *target_tokens = torch.cat(parts).tolist()
+        self._stopping = stop_value > 0
         row = {"step": self.step + 1, "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"]}
+        if target_tokens:
+            row["target_tokens"] = round(target_tokens[0])
         row["grad_norm"] = norm_value
         row["clip_coef"] = min(self._max_norm / (norm_value + 1e-6), 1.0) if math.isfinite(norm_value) else math.nan
         if not math.isfinite(loss_value):
@@ -154,33 +224,85 @@ class Trainer:
         self.scaler.update()
         with warnings.catch_warnings():
             # A skipped first step is intended; torch would warn that the schedule moved first.
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)
+            warnings.filterwarnings("ignore", _SCHEDULE_FIRST, UserWarning)
             self.scheduler.step()
         self.step += 1
         world = self.world.world_size  # every rank takes batches of the same size
         row.update(skipped=self.skipped, nan_losses=self.nan_losses, samples=samples * world, tokens=tokens * world)
         return row
 
-    def _forward_backward(self) -> tuple[torch.Tensor, int, int]:
-        """The micro-steps: (the step's loss on the device, samples, tokens)."""
+    def _forward_backward(self) -> tuple[torch.Tensor, int, int, torch.Tensor | None]:
+        """The micro-steps: (the step's loss on the device, samples, tokens in ``input_ids``,
+        the divisor of the gradients for ``loss_normalization="tokens"``, else None).
+
+        ``"mean"``: each micro-batch's loss is divided by ``grad_accum_steps``. ``"tokens"``:
+        the summed losses are backpropagated as they are, and the target tokens counted on the
+        device (all-reduced across ranks while the last backward runs); the gradients, which
+        arrive averaged over ranks, are then divided by tokens / world size inside the
+        scaler's unscale factor, giving the sum over every micro-batch and rank / all tokens."""
         cfg = self.config
+        by_tokens = cfg.loss_normalization == "tokens"
         loss = torch.zeros((), device=self.device)
-        samples, tokens = 0, 0
+        target_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        samples, tokens, reduction = 0, 0, None
         for micro in range(cfg.grad_accum_steps):
             batch = to_device(self.batches.next(), self.device)
             samples, tokens = samples + batch_size(batch), tokens + (token_count(batch) or 0)
             last = micro == cfg.grad_accum_steps - 1
             with contextlib.nullcontext() if last else self.grads.no_sync():
                 with self._autocast():
-                    micro_loss = self.loss_fn(self.net, batch) / cfg.grad_accum_steps
+                    micro_loss, count = self._loss(self.loss_fn(self.net, batch))
+                if by_tokens:
+                    target_tokens += count
+                    if last and self.world.world_size > 1:  # overlaps the last backward
+                        group = getattr(self.world, "group", None)
+                        reduction = dist.all_reduce(target_tokens, group=group, async_op=True)
+                else:
+                    micro_loss = micro_loss / cfg.grad_accum_steps
                 self.scaler.scale(micro_loss).backward()
-            loss += micro_loss.detach()
-        return loss, samples, tokens
+            loss += micro_loss.detach().float()
+        if not by_tokens:
+            return loss, samples, tokens, None
+        if reduction is not None:
+            reduction.wait()
+        world = self.world.world_size
+        # The loss this rank reports: its share of the global token mean (the ranks' mean is the mean).
+        return loss * world / target_tokens, samples, tokens, (target_tokens / world).float()
 
-    def _unscale_and_clip(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loss(self, output) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """``loss_fn``'s result as (loss, target tokens): the tokens are those ``loss_fn``
+        returns under ``loss_normalization="tokens"``, 1 per batch otherwise."""
+        if self.config.loss_normalization == "tokens":
+            if not (isinstance(output, (tuple, list)) and len(output) == 2):
+                raise TypeError(
+                    "TrainConfig.loss_normalization='tokens': loss_fn must return (summed loss, number of target "
+                    f"tokens), got {type(output).__name__}"
+                )
+            loss, count = output
+            if (
+                isinstance(count, bool)
+                or not isinstance(count, (int, torch.Tensor))
+                or (isinstance(count, torch.Tensor) and count.numel() != 1)
+            ):
+                raise TypeError(f"loss_fn's token count must be an int or a one-element tensor, got {count!r}")
+            count = count.reshape(()).to(self.device, torch.float64) if isinstance(count, torch.Tensor) else count
+        else:
+            if isinstance(output, (tuple, list)):
+                raise TypeError(
+                    f"loss_fn returned a {type(output).__name__}; it should return the loss. For (summed loss, "
+                    "number of tokens) set TrainConfig(loss_normalization='tokens')"
+                )
+            loss, count = output, 1
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError(f"loss_fn must return a scalar tensor as the loss, got {type(loss).__name__}")
+        return loss, count
+
+    def _unscale_and_clip(self, divisor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm before clipping, found_inf), on the device. With a fused optimizer nothing is
         written: the unscale and the clip are applied by ``scaler.step`` inside its read."""
-        grad_norm = self.scaler.unscale_and_clip_(self.optimizer, self._max_norm, self.config.norm_type)
+        grad_norm = self.scaler.unscale_and_clip_(
+            self.optimizer, self._max_norm, self.config.norm_type, divisor=divisor
+        )
         return grad_norm, self.scaler.found_inf(self.optimizer)
 
     @property
@@ -207,36 +329,86 @@ class Trainer:
     # --- the loop ---------------------------------------------------------------------------
 
     def fit(self) -> list[dict]:
-        """Train to ``config.max_steps`` steps; returns the metrics rows written on the way."""
+        """Train to ``config.max_steps`` steps; returns the metrics rows written on the way.
+
+        On SIGINT or SIGTERM the step in flight is finished, a checkpoint written (when
+        ``checkpoint_dir`` is set) and ``TrainingInterrupted`` raised, saying how to resume."""
         cfg = self.config
-        self.model.train()
+        if self.step >= cfg.max_steps:
+            where = f" (resumed from {self.resumed_from})" if self.resumed_from is not None else ""
+            logger.warning(
+                f"fit(): nothing to train: already at step {self.step} of TrainConfig.max_steps={cfg.max_steps}"
+                f"{where}; raise max_steps (dataclasses.replace(config, max_steps=...)) to train further"
+            )
+            return []
+        self.net.train()
         throughput = Throughput()
-        with Metrics(cfg.metrics_path, cfg.progress, cfg.max_steps, self.step, self.world.is_main) as metrics:
-            while self.step < cfg.max_steps:
-                row = self.train_step()
-                throughput.add(row.pop("samples"), row.pop("tokens"))
-                metrics.progress(row["loss"], row["lr"])
-                done = self.step == cfg.max_steps
-                if self.eval_data is not None and (done or (cfg.eval_every and self.step % cfg.eval_every == 0)):
-                    row["eval_loss"] = self.evaluate()
-                skipped = not math.isfinite(row["loss"]) or "nonfinite_grads" in row
-                if skipped:
-                    metrics.message(self._skip_message(row))
-                if done or skipped or "eval_loss" in row or self.step % cfg.log_every == 0 or self.step == 1:
-                    row.update(throughput.rates(), loss_scale=self.scaler.get_scale())
-                    row["peak_mem_mb"] = peak_memory_mb(self.device)
-                    metrics.write(row)
-                if cfg.checkpoint_dir is not None and (done or (cfg.save_every and self.step % cfg.save_every == 0)):
-                    self.save()
-                if self.nan_streak >= cfg.max_nan_losses:
-                    raise NonFiniteLossError(
-                        f"training stopped at step {self.step}: the loss was not finite in the last "
-                        f"{self.nan_streak} steps (TrainConfig.max_nan_losses={cfg.max_nan_losses}); "
-                        f"{self.nan_losses} non-finite losses in all. Lower the learning rate or check the data."
-                    )
+        metrics = Metrics(
+            cfg.metrics_path, cfg.progress, cfg.max_steps, self.step, self.world.is_main, cfg.tensorboard_dir,
+            cfg.log_every,
+        )  # fmt: skip
+        with metrics, StopSignals() as self._stop:
+            try:
+                while self.step < cfg.max_steps:
+                    self._fit_step(metrics, throughput)
+            finally:
+                self._stop = None
         return metrics.rows
 
+    def _fit_step(self, metrics: Metrics, throughput: Throughput) -> None:
+        cfg = self.config
+        row = self.train_step()
+        throughput.add(row.pop("samples"), row.pop("tokens"))
+        metrics.progress(row["loss"], row["lr"])
+        done = self.step == cfg.max_steps
+        improved = False
+        if self.eval_data is not None and (done or (cfg.eval_every and self.step % cfg.eval_every == 0)):
+            row["eval_loss"] = self.evaluate()
+            improved = row["eval_loss"] < self.best_eval_loss
+            if improved:
+                self.best_eval_loss = row["eval_loss"]
+        skipped = not math.isfinite(row["loss"]) or "nonfinite_grads" in row
+        if skipped:
+            metrics.message(self._skip_message(row))
+        if done or skipped or "eval_loss" in row or self.step % cfg.log_every == 0 or self.step == 1:
+            row.update(throughput.rates(), loss_scale=self.scaler.get_scale())
+            row["peak_mem_mb"] = peak_memory_mb(self.device)
+            metrics.write(row)
+        saved = None
+        if cfg.checkpoint_dir is not None and (
+            done or self._stopping or (cfg.save_every and self.step % cfg.save_every == 0)
+        ):
+            saved = self.save()
+        if cfg.keep_best and improved:
+            self.save(best=True)
+        if "eval_loss" in row:
+            self.callbacks.eval(row)
+        self.callbacks.step_end(row)
+        if self.nan_streak >= cfg.max_nan_losses:
+            raise NonFiniteLossError(
+                f"training stopped at step {self.step}: the loss was not finite in the last "
+                f"{self.nan_streak} steps (TrainConfig.max_nan_losses={cfg.max_nan_losses}); "
+                f"{self.nan_losses} non-finite losses in all. Lower the learning rate or check the data."
+            )
+        if self._stopping and not done:
+            raise self._interrupted(saved)
+
+    def _interrupted(self, saved: Path | None) -> TrainingInterrupted:
+        received = self._stop.received if self._stop is not None and self._stop.received else "a signal on another rank"
+        if self.config.checkpoint_dir is None:
+            how = "no checkpoint written (TrainConfig.checkpoint_dir is None): this run cannot be resumed"
+        else:
+            where = saved if saved is not None else checkpoint.checkpoint_path(self.config.checkpoint_dir, self.step)
+            how = f"checkpoint {where} written; continue with Trainer(..., resume='latest') (or resume='{where}')"
+        message = f"training stopped by {received} after step {self.step} of {self.config.max_steps}: {how}"
+        return TrainingInterrupted(message, self.step, saved, received)
+
     def _skip_message(self, row: dict) -> str:
+        if row.get("target_tokens") == 0:  # a token mean over no tokens: 0/0
+            return (
+                f"step {row['step']}: no target tokens in any micro-batch (loss_fn counted 0); step skipped "
+                f"({self.nan_streak} in a row, training stops at {self.config.max_nan_losses})"
+            )
         if not math.isfinite(row["loss"]):
             return (
                 f"step {row['step']}: the loss is {row['loss']}; step skipped "
@@ -248,15 +420,33 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """The mean loss over ``eval_data`` (model in eval mode, same autocast)."""
-        self.model.eval()
-        total, count = torch.zeros((), device=self.device), 0
-        for batch in self.eval_data:
+        """The loss over ``eval_data`` (at most ``config.eval_batches`` batches; model in eval
+        mode, same autocast): the mean of the batches' losses, or with
+        ``loss_normalization="tokens"`` the summed losses over the tokens. Data that yields no
+        batch is an error, not a loss of 0."""
+        self.net.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        batches = 0
+        data = self.eval_data
+        if self.config.eval_batches is not None:
+            data = itertools.islice(data, self.config.eval_batches)
+        for batch in data:
             with self._autocast():
-                total += self.loss_fn(self.net, to_device(batch, self.device)).float()
-            count += 1
-        self.model.train()
-        return self.world.mean(total / max(count, 1)).item()
+                loss, n = self._loss(self.loss_fn(self.net, to_device(batch, self.device)))
+            total += loss.double()
+            count += n
+            batches += 1
+        self.net.train()
+        empty = torch.full((), float(batches == 0), dtype=torch.float64, device=self.device)
+        total, count, empty = self.world.mean(torch.stack([total, count, empty])).tolist()
+        if empty > 0:
+            on = " on at least one rank" if self.world.world_size > 1 else ""
+            raise ValueError(
+                f"eval_data yielded no batches{on} at step {self.step}: evaluating it gives no loss. A generator "
+                "or iterator is used up by its first evaluation; pass a list or a DataLoader"
+            )
+        return total / count
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -267,45 +457,78 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "counters": {"skipped": self.skipped, "nan_losses": self.nan_losses, "nan_streak": self.nan_streak},
+            "counters": {
+                "skipped": self.skipped,
+                "nan_losses": self.nan_losses,
+                "nan_streak": self.nan_streak,
+                "best_eval_loss": self.best_eval_loss,
+            },
             "data": self.batches.state_dict(),
             "rng": checkpoint.rng_state(),
             "config": self.config.to_dict(),
         }
 
-    def save(self):
-        """Write a checkpoint of the current step (main process only); returns its path."""
-        if self.world.is_main:
-            return checkpoint.save_checkpoint(
-                self.config.checkpoint_dir, self.step, self.state_dict(), self.config.keep_last
-            )
-        return None
+    def save(self, best: bool = False) -> Path | None:
+        """Write a checkpoint of the current step (main process only); returns its path.
+        ``best=True`` writes ``best.pt`` instead (``keep_best``)."""
+        if not self.world.is_main:
+            return None
+        cfg = self.config
+        name = checkpoint.BEST if best else None
+        path = checkpoint.save_checkpoint(cfg.checkpoint_dir, self.step, self.state_dict(), cfg.keep_last, name)
+        self.callbacks.save(path)
+        return path
 
     def load(self, path: str | os.PathLike) -> None:
-        """Continue from a checkpoint: weights, optimizer, schedule, scaler, counters, the data
-        position and the RNG states (restored last, after the data has been fast-forwarded)."""
-        state = checkpoint.load_checkpoint(path)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        """Continue from a checkpoint: weights, optimizer state, schedule position, scaler,
+        counters, the data position and the RNG states (restored last, after the data has been
+        fast-forwarded). The hyperparameters are the ones given now (see ``_load_state``)."""
+        self._load_state(checkpoint.load_checkpoint(path), Path(path))
+
+    def _load_state(self, state: dict, path: Path) -> None:
+        """Load ``state``; the settings given now win where they differ from the saved ones
+        (module ``resume``), and what changed is logged once."""
+        cfg = self.config
+        changed = resuming.config_changes(state.get("config", {}), cfg.to_dict())
+        self.model.load_state_dict(resuming.module_state(state["model"], self.model))
+        changed += resuming.load_optimizer(self.optimizer, state["optimizer"])
+        changed += resuming.load_schedule(self.scheduler, state["scheduler"], self.optimizer, self._base_lrs)
         if state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
+            # The scale and its growth tracker continue; the rule for them is the config's.
+            self.scaler.load_state_dict(resuming.scaler_state(state["scaler"], cfg.growth_interval))
+            self.scaler.set_growth_factor(cfg.growth_factor)
+            self.scaler.set_backoff_factor(cfg.backoff_factor)
+            self.scaler.set_growth_interval(cfg.growth_interval)
         self.step = state["step"]
-        self.skipped, self.nan_losses, self.nan_streak = (
-            state["counters"][k] for k in ("skipped", "nan_losses", "nan_streak")
-        )
+        counters = state["counters"]
+        self.skipped, self.nan_losses, self.nan_streak = (counters[k] for k in ("skipped", "nan_losses", "nan_streak"))
+        self.best_eval_loss = counters.get("best_eval_loss", math.inf)
         self.batches.load_state_dict(state["data"])
         checkpoint.set_rng_state(state["rng"])
-
-    def _resolve(self, resume: str | os.PathLike) -> str | os.PathLike | None:
-        if resume != "latest":
-            return resume
-        if self.config.checkpoint_dir is None:
-            raise ValueError("resume='latest' needs TrainConfig.checkpoint_dir: the folder to look in")
-        return checkpoint.latest_checkpoint(self.config.checkpoint_dir)
+        self.resumed_from = path
+        if changed and self.world.is_main:
+            logger.warning(
+                f"resuming from {path} (step {self.step}) with settings that differ from the checkpoint's; the ones "
+                f"given now apply from step {self.step + 1}: " + "; ".join(changed)
+            )
 
     def __repr__(self) -> str:
         return f"Trainer(step={self.step}/{self.config.max_steps}, precision={self.config.precision!r})"
+
+
+def _check_reiterable(name: str, data) -> None:
+    """``train_data``/``eval_data`` is walked again and again (every epoch, every evaluation, a
+    resume): a one-shot iterator would be empty from its second walk on."""
+    if isinstance(data, Iterator):
+        raise TypeError(
+            f"{name} is a one-shot {type(data).__name__}: it is used up by its first pass, and the trainer walks "
+            f"{name} again (every epoch, every evaluation, on resume). Pass a list, a DataLoader, or an object "
+            "whose __iter__ starts a new pass"
+        )
+    if not isinstance(data, Iterable) and not hasattr(data, "__getitem__"):
+        raise TypeError(f"{name} must be an iterable of batches (a list or a DataLoader), got {type(data).__name__}")
+    if isinstance(data, (list, tuple)) and not data:
+        raise ValueError(f"{name} is empty: it has no batches")
 
 
 def _seed_everything(seed: int) -> None:
