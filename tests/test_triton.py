@@ -41,6 +41,7 @@ from reference import (
     NORM_TYPES,
     clones,
     close,
+    double_rounding_case,
     math_dtype,
     params_of,
     ref_norms,
@@ -452,6 +453,21 @@ def test_accumulate_mixed_pairs_bit_exact(monkeypatch, alpha):
         a = torch.tensor(alpha, dtype=torch.float64).to(m)
         add = s.to(m) if alpha == 1.0 else s.to(m) * a
         assert same_bits(o, (d.to(m) + add).to(d.dtype))
+
+
+@pytest.mark.parametrize("alpha", [1.0, 2.0], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_accumulate_float64_into_16_bits_rounds_through_float32(monkeypatch, dtype, alpha):
+    """As the Rust core and torch: a float64 sum bound for float16/bfloat16 is rounded to float32
+    first (``1 + 2**-11 + 2**-40`` into a zero float16 gives 1.0; rounded directly, 1.0009765625).
+    Sizes cross the chunk and body/tail edges; ``alpha`` 2 (halved sources, exact) is the
+    multiply path. (The interpreter's bfloat16 rounding already went through float32; on a GPU
+    the direct conversion is what tests/test_compile.py rules out for both dtypes.)"""
+    values, want = double_rounding_case(dtype, n=2 * CHUNK + 17)
+    ours, rust = torch.zeros_like(want), torch.zeros_like(want)
+    gradfuse.accumulate_([ours], [values / alpha], alpha)
+    on(monkeypatch, "rust", gradfuse.accumulate_, [rust], [values / alpha], alpha)
+    assert same_bits(ours, want) and same_bits(rust, want)
 
 
 def test_accumulate_into_itself_and_overlap_rejected(monkeypatch):
