@@ -401,7 +401,7 @@ class Result:
     stack: int | None = None
     shared: int | None = None
     regalloc2: bool = False  # ptxas ran with --regAllocOptLevel=2 (Triton's flag)
-    spill_stores_without_flag: int | None = None  # ptxas on the same PTX without it (spilling kernels)
+    spill_stores_without_flag: int | None = None  # spilled bytes of ptxas on the same PTX without it
     seconds: float = 0.0
     error: str | None = None
     f64_to_16bit_ptx: list = field(default_factory=list)  # direct conversions found
@@ -468,42 +468,53 @@ def compile_spec(spec: Spec) -> Result:
         return result
     finally:
         result.seconds = time.perf_counter() - start
-    text = log.getvalue()
-    if m := _PTXAS_REGS.search(text):
-        result.registers = int(m.group(1))
-    if m := _PTXAS_SPILLS.search(text):
-        result.stack, result.spill_stores, result.spill_loads = map(int, m.groups())
     result.regalloc2 = REGALLOC_FLAG.lstrip("-") in _compiler_source()
-    result.shared = int(getattr(kernel.metadata, "shared", 0) or 0)
     ptx = kernel.asm["ptx"]
+    text = log.getvalue()
+    regs, spills = _PTXAS_REGS.search(text), _PTXAS_SPILLS.search(text)
+    if regs and spills:  # the report of Triton's own ptxas run
+        report = (int(regs.group(1)), *map(int, spills.groups()))
+    else:  # a Triton without TRITON_DUMP_PTXAS_LOG: the same ptxas again, with -v
+        report = _ptxas_report(ptx, spec, [REGALLOC_FLAG] if result.regalloc2 else [])
+    if report:
+        result.registers, result.stack, result.spill_stores, result.spill_loads = report
+    result.shared = int(getattr(kernel.metadata, "shared", 0) or 0)
     result.f64_to_16bit_ptx = sorted(set(_PTX_F64_TO_16.findall(ptx)))
     result.approx_div = sorted(set(_PTX_APPROX_DIV.findall(ptx)))
     result.v128_loads = len(_PTX_V128_LOAD.findall(ptx))
     result.v128_stores = len(_PTX_V128_STORE.findall(ptx))
     result.f64_to_16bit_sass = sorted(set(_SASS_F64_TO_16.findall(_sass(kernel.asm["cubin"]))))
     if result.regalloc2 and (result.spill_stores or result.spill_loads):
-        result.spill_stores_without_flag = _spills_without_regalloc_flag(ptx, spec)
+        without = _ptxas_report(ptx, spec, [])
+        result.spill_stores_without_flag = None if without is None else max(without[2], without[3])
     return result
 
 
-def _spills_without_regalloc_flag(ptx: str, spec: Spec) -> int | None:
-    """Spill stores of ptxas on ``ptx`` with Triton's flags minus ``--regAllocOptLevel=2``."""
+def _ptxas_report(ptx: str, spec: Spec, flags: list[str]) -> tuple[int, int, int, int] | None:
+    """``(registers, stack, spill stores, spill loads)`` of the target's ptxas (Triton's bundled
+    one) run on ``ptx`` with Triton's usual flags plus ``flags``; None when it cannot be run."""
     try:
-        from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+        from triton.backends.nvidia import compiler as nv
 
         arch = TARGETS[spec.target]
-        ptxas = get_ptxas(arch).path
+        try:
+            ptxas = nv.get_ptxas(arch).path
+        except TypeError:  # Triton < 3.8: one ptxas for every target
+            ptxas = nv.get_ptxas().path
         fmad = [] if spec.options.get("enable_fp_fusion", True) else ["--fmad=false"]
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "k.ptx")
             with open(src, "w") as f:
                 f.write(ptx)
-            cmd = [ptxas, "-lineinfo", *fmad, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", src]
+            cmd = [ptxas, "-lineinfo", *fmad, "-v", *flags, f"--gpu-name={nv.sm_arch_from_capability(arch)}", src]
             done = subprocess.run([*cmd, "-o", src + ".o"], capture_output=True, text=True, check=True)
-    except Exception:  # another Triton layout: no evidence, so no allowance
+    except Exception:  # another Triton layout: no report
         return None
-    m = _PTXAS_SPILLS.search(done.stderr + done.stdout)
-    return int(m.group(2)) if m else None
+    text = done.stderr + done.stdout
+    regs, spills = _PTXAS_REGS.search(text), _PTXAS_SPILLS.search(text)
+    if not (regs and spills):
+        return None
+    return (int(regs.group(1)), *map(int, spills.groups()))
 
 
 _COMPILER_SOURCE: list[str] = []
