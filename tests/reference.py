@@ -8,7 +8,8 @@ Tolerances, and why:
   (Triton); the result is rounded to float32. 2e-6 relative covers both (≈16 ulp).
 - Element-wise results (scale, clip, unscale, clamp, accumulate) are compared bit for bit
   with torch computing the same float32 (or float64) arithmetic and rounding once to the
-  storage dtype, which is what both backends do.
+  storage dtype, which is what both backends do (a float64 result bound for float16/bfloat16
+  through float32, as torch casts: see double_rounding_case).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ Tolerances, and why:
   when any input is below float64, 1e-12 when all are float64. Against the Rust core (which
   sums in another order) twice that. max/min/count norms are exact: compared for equality.
 - Element-wise results (scale, clipping, unscale, clamp, accumulate) are compared bit for bit:
-  both backends do the same float32 (float64) arithmetic and round once to the storage dtype.
+  both backends do the same float32 (float64) arithmetic and round once to the storage dtype
+  (float64 into float16/bfloat16 through float32, as torch casts).
   Where a clip coefficient comes from a total norm, the expected values are computed from the
   Triton total with the Rust core's ``clip_coef``, so an ulp of difference between the two
   totals does not hide a wrong coefficient.
