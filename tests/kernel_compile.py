@@ -71,8 +71,8 @@ ORDERS_QUICK = (2.0, 1.0, math.inf, 3.5)
 #: bound: at most 128 registers keeps 4 programs (16 warps) resident per SM (64K registers) to
 #: hide memory latency. The general-order norm (``KIND`` 5, any p but 0, 1, 2 and +-inf) takes a
 #: float64 libdevice ``pow`` per element, inlined: up to 168 (3 programs per SM) for float32 and
-#: 16-bit inputs (139 measured on sm_90 with the unscaling check), up to 224 (2 programs; the
-#: hardware's limit is 255) for float64 inputs (192 measured).
+#: 16-bit inputs (153 measured, sm_80), up to 224 (2 programs; the hardware's limit is 255) for
+#: float64 inputs (192 measured, sm_90). Measured with Triton 3.9 over the full set.
 MAX_REGISTERS = 128
 MAX_REGISTERS_POW = 168
 MAX_REGISTERS_F64_POW = 224
