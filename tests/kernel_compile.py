@@ -60,8 +60,8 @@ TARGETS = {"sm_90": 90, "sm_80": 80}
 F32, F64, F16, BF16 = torch.float32, torch.float64, torch.float16, torch.bfloat16
 DTYPE_NAMES = {F32: "fp32", F64: "fp64", F16: "fp16", BF16: "bf16"}
 #: The norm orders of the full set: each norm kind, and for the general power both a float64
-#: bit pattern divisible by 16 (3.5; Triton then promises divisibility of ``p_bits``) and one not
-#: (1/3), and a negative power.
+#: bit pattern divisible by 16 (3.5) and one not (1/3), for a Triton that specializes integer
+#: arguments on divisibility (``p_bits``; Triton 3.9 does not), and a negative power.
 ORDERS_FULL = (2.0, 1.0, 0.0, math.inf, -math.inf, 3.5, 1 / 3, -1.0)
 ORDERS_QUICK = (2.0, 1.0, math.inf, 3.5)
 
@@ -119,9 +119,11 @@ def _lists(quick: bool) -> list[tuple[str, list[torch.dtype]]]:
 
 
 def _sizes(quick: bool, chunk: int) -> dict[str, list[int]]:
-    """Tensor sizes per list structure. Triton specializes the norm kernel's tensor and chunk
-    counts (``== 1`` becomes a constant, a multiple of 16 an attribute); the full set has each
-    combination, the quick set three tensors of one chunk."""
+    """Tensor sizes per list structure ("tensors x chunks"). The norm kernel takes the tensor and
+    chunk counts as integer arguments, which a Triton that specializes integers compiles apart
+    (``== 1`` a constant, a multiple of 16 an attribute; Triton 3.9 specializes neither, and these
+    collapse into one): the full set has each combination, the quick set three tensors of one
+    chunk each."""
     base = {"3x1": [5, 5, 5]}
     if quick:
         return base
