@@ -401,15 +401,27 @@ def tail_mask(offs, start, numel, CHUNK: tl.constexpr):
 
 @triton.jit
 def to_storage(v, DT: tl.constexpr):
-    """``v`` (float32 or float64 arithmetic) rounded to the storage dtype ``DT``, to nearest even."""
-    if _EMULATE_BF16 and DT == tl.bfloat16:
-        # torch's round_to_nearest_even: add 0x7FFF plus the lowest kept bit, drop 16 bits;
-        # NaN keeps its sign and top payload bits, made quiet.
-        f = v.to(tl.float32)
-        bits = f.to(tl.uint32, bitcast=True)
-        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        r = tl.where(f != f, (bits >> 16) | 0x40, r)
-        out = r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    """``v`` (float32 or float64 arithmetic) rounded to the storage dtype ``DT``, to nearest even.
+
+    Every store of a kernel's arithmetic into a tensor goes through here. A float64 value bound
+    for 16 bits is rounded to float32 first, then to 16 bits, as torch and the Rust core cast
+    float64 -> float16/bfloat16: rounding once, directly, differs where the float32 rounding
+    lands on a 16-bit halfway point (``1 + 2**-11 + 2**-40`` gives float16 1.0 through float32,
+    1.0009765625 directly). Compiled, a direct ``.to(float16)`` of a float64 is PTX
+    ``cvt.rn.f16.f64`` (and ``cvt.rn.bf16.f64`` on sm_90); ``tests/test_compile.py`` checks
+    that no kernel contains either.
+    """
+    if DT == tl.float16 or DT == tl.bfloat16:
+        f = v.to(tl.float32)  # a no-op for float32 arithmetic
+        if _EMULATE_BF16 and DT == tl.bfloat16:
+            # torch's round_to_nearest_even: add 0x7FFF plus the lowest kept bit, drop 16 bits;
+            # NaN keeps its sign and top payload bits, made quiet.
+            bits = f.to(tl.uint32, bitcast=True)
+            r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            r = tl.where(f != f, (bits >> 16) | 0x40, r)
+            out = r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            out = f.to(DT)
     else:
         out = v.to(DT)
     return out

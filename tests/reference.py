@@ -8,7 +8,8 @@ Tolerances, and why:
   (Triton); the result is rounded to float32. 2e-6 relative covers both (≈16 ulp).
 - Element-wise results (scale, clip, unscale, clamp, accumulate) are compared bit for bit
   with torch computing the same float32 (or float64) arithmetic and rounding once to the
-  storage dtype, which is what both backends do.
+  storage dtype, which is what both backends do (a float64 result bound for float16/bfloat16
+  through float32, as torch casts: see double_rounding_case).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 NORM_TYPES = (2.0, 1.0, 0.0, 3.5, 0.5, -1.0, -2.5, math.inf, -math.inf)
-# (dst, src) dtype pairs of accumulate_: low precision into fp32, same-dtype, and fp64 either side.
+# (dst, src) dtype pairs of accumulate_: low precision into fp32, same-dtype, fp64 either side,
+# and fp64 into 16 bits (rounded through fp32, as torch casts; see double_rounding_case).
 ACCUMULATE_PAIRS = [
     (torch.float32, torch.bfloat16),
     (torch.float32, torch.float16),
@@ -29,6 +31,8 @@ ACCUMULATE_PAIRS = [
     (torch.float64, torch.float32),
     (torch.float32, torch.float64),
     (torch.float64, torch.float64),
+    (torch.float16, torch.float64),
+    (torch.bfloat16, torch.float64),
 ]
 # Sizes around the Rust core's boundaries: 16 lanes, 256-element blocks, 32768-element segments.
 EDGE_SIZES = (1, 15, 16, 17, 255, 256, 257, 32767, 32768, 32769)
@@ -109,3 +113,34 @@ def poison(t: torch.Tensor, positions: list[int], values: list[float]) -> None:
     flat = t.view(-1)
     for i, v in zip(positions, values, strict=True):
         flat[i] = v
+
+
+def double_rounding_case(dtype: torch.dtype, n: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, want)``: float64 values whose cast to ``dtype`` (float16 or bfloat16) differs
+    between rounding once, directly, and rounding through float32 as torch does (``want``).
+
+    Each value lies just above the midpoint of two neighbouring ``dtype`` numbers ``lo`` (even
+    last bit) and ``hi``, by ``(hi - lo) * 2**-30``: too little for float32 to keep. Rounded
+    directly it goes up to ``hi``; through float32 it becomes the midpoint exactly, which ties to
+    even: ``lo``. Random signs and exponents (from ``seed``), the smallest subnormal's midpoint,
+    and the issue's ``1 + 2**-11 + 2**-40`` (float16) / ``1 + 2**-8 + 2**-40`` (bfloat16), first.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int32, generator=gen).to(torch.int16)
+    lo = (bits & ~1).view(dtype)  # even last bit
+    lo[0], lo[1] = 1.0, 0.0  # 1.0, and zero, whose neighbour is the smallest subnormal
+    finite = torch.isfinite(lo) & torch.isfinite((lo.view(torch.int16) + 1).view(dtype))
+    lo = lo[finite]
+    hi = (lo.view(torch.int16) + 1).view(dtype)  # the next value away from zero (sign-magnitude)
+    lo64, hi64 = lo.double(), hi.double()
+    values = (lo64 + hi64) / 2 + (hi64 - lo64) * 2.0**-30
+    if dtype == torch.float16:
+        assert values[0].item() == 1 + 2**-11 + 2**-40
+    # The construction, checked: strictly between the midpoint and hi (a direct rounding gives hi),
+    # and torch's cast (through float32) gives lo.
+    assert bool(((values - (lo64 + hi64) / 2).abs() > 0).all() and ((hi64 - values).abs() < (hi64 - lo64).abs()).all())
+    want = values.to(dtype)
+    assert torch.equal(want.view(torch.int16), lo.view(torch.int16)), (
+        "torch's float64 cast no longer rounds via float32"
+    )
+    return values, want

@@ -33,6 +33,7 @@ from reference import (
     NORM_TYPES,
     clones,
     close,
+    double_rounding_case,
     params_of,
     ref_norms,
     rtol,
@@ -204,6 +205,16 @@ def test_accumulate_bit_exact_with_rust(alpha):
     gradfuse.accumulate_(rust, cpu(src), alpha)
     for o, r in zip(ours, rust, strict=True):
         assert same_bits(o.cpu(), r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_accumulate_float64_into_16_bits_rounds_through_float32(dtype):
+    """float64 sums stored into 16 bits round through float32, as torch's cast: no direct
+    ``cvt.rn.f16.f64`` / ``cvt.rn.bf16.f64`` (which sm_90 has for bfloat16 and sm_80 not)."""
+    values, want = double_rounding_case(dtype, n=4096)
+    dst = torch.zeros_like(want, device=DEVICE)
+    gradfuse.accumulate_([dst], [values.to(DEVICE)])
+    assert same_bits(dst.cpu(), want)
 
 
 @pytest.mark.parametrize("dtypes", DTYPE_MIXES, ids=MIX_IDS)

@@ -19,6 +19,7 @@ from reference import (
     FLOAT_DTYPES,
     NORM_TYPES,
     close,
+    double_rounding_case,
     math_dtype,
     randn,
     ref_norms,
@@ -339,6 +340,19 @@ def test_accumulate_mixed_dtypes(dtypes, n, alpha, layout):
     gradfuse.accumulate_([dst], [src], alpha)
     m = torch.float64 if torch.float64 in dtypes else torch.float32
     want = (start.to(m) + torch.tensor(alpha, dtype=m) * src.to(m)).to(d_dtype)
+    assert same_bits(dst, want)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 2.0], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_accumulate_float64_into_16_bits_rounds_through_float32(dtype, alpha):
+    """float64 sums stored into float16/bfloat16 are rounded to float32 first, as torch casts:
+    values just above a 16-bit midpoint by less than float32 keeps end on the even neighbour
+    (``1 + 2**-11 + 2**-40`` into a zero float16 gives 1.0, not 1.0009765625). ``alpha`` 2 with
+    halved sources (exact) takes the multiply path."""
+    values, want = double_rounding_case(dtype)
+    dst = torch.zeros_like(want)
+    gradfuse.accumulate_([dst], [values / alpha], alpha)
     assert same_bits(dst, want)
 
 

@@ -12,7 +12,8 @@ Tolerances, and why:
   when any input is below float64, 1e-12 when all are float64. Against the Rust core (which
   sums in another order) twice that. max/min/count norms are exact: compared for equality.
 - Element-wise results (scale, clipping, unscale, clamp, accumulate) are compared bit for bit:
-  both backends do the same float32 (float64) arithmetic and round once to the storage dtype.
+  both backends do the same float32 (float64) arithmetic and round once to the storage dtype
+  (float64 into float16/bfloat16 through float32, as torch casts).
   Where a clip coefficient comes from a total norm, the expected values are computed from the
   Triton total with the Rust core's ``clip_coef``, so an ulp of difference between the two
   totals does not hide a wrong coefficient.
@@ -41,6 +42,7 @@ from reference import (
     NORM_TYPES,
     clones,
     close,
+    double_rounding_case,
     math_dtype,
     params_of,
     ref_norms,
@@ -472,6 +474,21 @@ def test_accumulate_mixed_pairs_bit_exact(monkeypatch, alpha):
         a = torch.tensor(alpha, dtype=torch.float64).to(m)
         add = s.to(m) if alpha == 1.0 else s.to(m) * a
         assert same_bits(o, (d.to(m) + add).to(d.dtype))
+
+
+@pytest.mark.parametrize("alpha", [1.0, 2.0], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_accumulate_float64_into_16_bits_rounds_through_float32(monkeypatch, dtype, alpha):
+    """As the Rust core and torch: a float64 sum bound for float16/bfloat16 is rounded to float32
+    first (``1 + 2**-11 + 2**-40`` into a zero float16 gives 1.0; rounded directly, 1.0009765625).
+    Sizes cross the chunk and body/tail edges; ``alpha`` 2 (halved sources, exact) is the
+    multiply path. (The interpreter's bfloat16 rounding already went through float32; on a GPU
+    the direct conversion is what tests/test_compile.py rules out for both dtypes.)"""
+    values, want = double_rounding_case(dtype, n=2 * CHUNK + 17)
+    ours, rust = torch.zeros_like(want), torch.zeros_like(want)
+    gradfuse.accumulate_([ours], [values / alpha], alpha)
+    on(monkeypatch, "rust", gradfuse.accumulate_, [rust], [values / alpha], alpha)
+    assert same_bits(ours, want) and same_bits(rust, want)
 
 
 def test_accumulate_into_itself_and_overlap_rejected(monkeypatch):

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import _rust, ops
+from . import _fork, _rust
 from ._plan import DTYPE_CODES, Plan, nonfinite_total_error
 
 _OPENMP_ENTRY_POINTS = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_get_max_threads")
@@ -28,7 +28,7 @@ def _use_torchs_threads() -> bool:
     without the entry points in the process, or in a child made by os.fork()), the kernels
     keep rayon's pool.
     """
-    if ops.forked_child or "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+    if _fork.forked_child or "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
         # A forked child's OpenMP team is the parent's, whose threads it does not have.
         return False
     try:

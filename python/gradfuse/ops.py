@@ -21,25 +21,12 @@ from collections.abc import Iterable
 
 import torch
 
+from . import _fork  # noqa: F401  (registers the fork hook with the package, before any fork)
 from . import _plan as P
 
 Tensor = torch.Tensor
 
 _LIB = torch.library.Library("gradfuse", "DEF")
-
-#: Whether this process was made by os.fork() from one that had imported gradfuse. Its CPU
-#: thread pools (torch's OpenMP team, rayon's pool) did not come along: the CPU backend then
-#: runs its loops on a pool of its own (rust/parallel.rs), also when first loaded after the fork.
-forked_child = False
-
-
-def _after_fork_in_child() -> None:
-    global forked_child
-    forked_child = True
-
-
-if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _backend(device: torch.device):

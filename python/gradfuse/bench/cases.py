@@ -406,9 +406,3 @@ class AccumulateFamily(Family):
 
 
 FAMILY_CLASSES = {"clip": ClipFamily, "buckets": BucketClipFamily, "amp": AmpFamily, "accumulate": AccumulateFamily}
-
-
-def make_family(workload: Workload, device: torch.device, quick: bool) -> Family:
-    from .training import TRAINING_FAMILIES  # built on Family, kept in a module of their own
-
-    return (FAMILY_CLASSES | TRAINING_FAMILIES)[workload.family](workload, device, quick)

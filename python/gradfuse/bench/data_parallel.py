@@ -40,28 +40,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .engine import ImplResult, WorkloadResult
 from .measure import BenchError, Device
+from .models import VOCAB, make_model
+from .results import ImplResult, WorkloadResult
 from .workloads import Workload
 
 WORLD = 2
-VOCAB = 512
 IMPLS = ("torch", "gradfuse")
 PARTS = ("after_backward", "clip")
 MAX_NORM = 0.05  # below the model's gradient norm: clipping is active
 #: Bytes read and written after backward, per gradient element's bytes (see the module docs).
 AFTER_BACKWARD_PASSES = {"torch": 10, "gradfuse": 7}
-
-
-def make_model(quick: bool) -> nn.Module:
-    """A small pre-norm transformer language model (~3.4M parameters; ~0.2M with ``quick``),
-    the same weights on every call."""
-    d, layers = (32, 2) if quick else (256, 4)
-    torch.manual_seed(0)
-    blocks = [
-        nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True) for _ in range(layers)
-    ]
-    return nn.Sequential(nn.Embedding(VOCAB, d), *blocks, nn.LayerNorm(d), nn.Linear(d, VOCAB))
 
 
 def _batch(rank: int, step: int, quick: bool, device: torch.device):

@@ -22,33 +22,22 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .cases import Family, clear_cache, make_family
+import torch
+
+from .cases import FAMILY_CLASSES, Family, clear_cache
 from .measure import BackgroundLoad, BenchError, Device
+from .results import ImplResult, WorkloadResult
+from .training import TRAINING_FAMILIES
 from .workloads import Workload
 
 #: Other processes' CPU share above which a run is flagged as disturbed.
 BUSY = 0.05
 
 
-@dataclass
-class ImplResult:
-    name: str
-    times_us: list[float] = field(default_factory=list)
-    host_us: list[float] = field(default_factory=list)
-    launches: int | None = None
-    notes: dict = field(default_factory=dict)  # workload-specific fields for the record
-
-
-@dataclass
-class WorkloadResult:
-    workload: Workload
-    n_tensors: int
-    numel: int
-    bytes_moved: int
-    buffer_sets: int
-    impls: dict[str, ImplResult]
+def make_family(workload: Workload, device: torch.device, quick: bool) -> Family:
+    return (FAMILY_CLASSES | TRAINING_FAMILIES)[workload.family](workload, device, quick)
 
 
 class Runner:
@@ -200,8 +189,6 @@ def run(device: Device, workloads: list[Workload], reps: int | None) -> RunResul
                 clear_cache()
             gc.collect()
             if device.type == "cuda":
-                import torch
-
                 torch.cuda.empty_cache()
     _log("copy baseline again")
     copy_us += device.copy_times(copy_reps)

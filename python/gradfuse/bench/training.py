@@ -43,6 +43,7 @@ from .cases import (
     pristine,
 )
 from .measure import BenchError
+from .models import model_config
 
 # --- step: clip + fused AdamW ----------------------------------------------------------------
 
@@ -146,21 +147,6 @@ ACCUM_STEPS = 2
 MAX_NORM = 0.5  # below the models' gradient norms at the start (~1 quick, ~4.5 full): clipping is active
 LR = 1e-3
 N_BATCHES = 8
-
-
-def model_config(quick: bool):
-    from ..demo import GPTConfig
-
-    if quick:
-        return GPTConfig(vocab=64, ctx=16, width=32, layers=2, heads=2), 2
-    return GPTConfig(vocab=512, ctx=128, width=192, layers=4, heads=4), 4  # and the micro-batch size
-
-
-def gpt2small_shapes(quick: bool) -> list[tuple[int, ...]]:
-    """The parameters of the trainer workload's model."""
-    from ..demo import GPT
-
-    return [tuple(p.shape) for p in GPT(model_config(quick)[0]).parameters()]
 
 
 def _schedule(optimizer) -> torch.optim.lr_scheduler.LambdaLR:

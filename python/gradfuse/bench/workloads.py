@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .models import make_model, model_config
+
 Shape = tuple[int, ...]
 
 FAMILIES = ("clip", "buckets", "amp", "accumulate", "ddp", "step", "trainer")
@@ -63,17 +65,15 @@ def tiny_shapes(n: int = 10_000) -> list[Shape]:
 
 
 def transformer_shapes(quick: bool) -> list[Shape]:
-    """The parameters of the data-parallel benchmark's model (``data_parallel.make_model``)."""
-    from .data_parallel import make_model
-
+    """The parameters of the data-parallel benchmark's model (``models.make_model``)."""
     return [tuple(p.shape) for p in make_model(quick).parameters()]
 
 
 def gpt2small_shapes(quick: bool) -> list[Shape]:
     """The parameters of the trainer benchmark's small GPT-2-shaped model."""
-    from .training import gpt2small_shapes as shapes
+    from ..demo import GPT
 
-    return shapes(quick)
+    return [tuple(p.shape) for p in GPT(model_config(quick)[0]).parameters()]
 
 
 def uniform_shapes(n: int, numel: int) -> list[Shape]:
