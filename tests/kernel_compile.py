@@ -180,6 +180,11 @@ def calls(quick: bool) -> dict[str, list[Call]]:
             tag,
             lambda p=p, args=args: ops.unscale_and_clip_(args(), _scalar(F32, True), _scalar(F32, True, 0.0), 1.0, p),
         )
+        add(
+            "unscale_norm_",
+            tag,
+            lambda p=p, args=args: ops.unscale_norm_(args(), _scalar(F32, True), _scalar(F32, True, 0.0), p),
+        )
 
     # Scalars out of alignment (a view), on aligned float32 at order 2.
     if not quick:
