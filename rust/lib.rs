@@ -15,6 +15,7 @@ pub mod error;
 pub mod norm;
 pub mod parallel;
 pub mod simd;
+pub mod stats;
 pub mod tensor;
 
 #[cfg(feature = "python")]

@@ -13,6 +13,7 @@ use crate::elementwise;
 use crate::error::Error;
 use crate::norm::{self as norms, NormResult};
 use crate::parallel;
+use crate::stats as health;
 use crate::tensor::{find_conflict, find_strided_conflict, RawTensor, Slice, SliceMut, Strided};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -231,6 +232,41 @@ fn unscale_check_norm(
     Ok((write_norms(&r, total_addr, 0, dtype)?, r.found_inf))
 }
 
+/// Gradient-health statistics in one read: writes the total norm (0-d) and the per-tensor
+/// norms and largest magnitudes as `out_code`, and the per-tensor non-finite counts as int64.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn stats(
+    py: Python<'_>,
+    tensors: &Bound<'_, TensorList>,
+    norm_type: f64,
+    total_addr: usize,
+    norms_addr: usize,
+    amax_addr: usize,
+    nonfinite_addr: usize,
+    out_code: u8,
+) -> PyResult<()> {
+    let tl = tensors.get();
+    let dtype = out_dtype(out_code)?;
+    let r = py.detach(|| health::stats(&tl.slices(), norm_type)).map_err(|e| tl.err(e))?;
+    if !r.nonfinite.is_empty() && (nonfinite_addr == 0 || nonfinite_addr % 8 != 0) {
+        return Err(PyValueError::new_err(format!("bad output address {nonfinite_addr:#x}")));
+    }
+    // SAFETY: every address comes from a tensor `gradfuse._cpu` allocates for this call: 0-d
+    // for the total, one element per tensor for the others (the counts int64, checked aligned
+    // and non-null above), which nothing else touches during the call.
+    unsafe {
+        write_out(total_addr, dtype, &[dtype.round(r.total)])?;
+        write_out(norms_addr, dtype, &r.norms)?;
+        write_out(amax_addr, dtype, &r.amax)?;
+        if !r.nonfinite.is_empty() {
+            let out = std::slice::from_raw_parts_mut(nonfinite_addr as *mut i64, r.nonfinite.len());
+            out.iter_mut().zip(&r.nonfinite).for_each(|(o, &c)| *o = c as i64);
+        }
+    }
+    Ok(())
+}
+
 /// `x *= scale` in place (nothing is touched when `scale == 1`).
 #[pyfunction]
 fn scale_(py: Python<'_>, tensors: &Bound<'_, TensorList>, scale: f64) -> PyResult<()> {
@@ -378,6 +414,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TensorList>()?;
     m.add_function(wrap_pyfunction!(norm, m)?)?;
     m.add_function(wrap_pyfunction!(unscale_check_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(stats, m)?)?;
     m.add_function(wrap_pyfunction!(scale_, m)?)?;
     m.add_function(wrap_pyfunction!(clip_coef, m)?)?;
     m.add_function(wrap_pyfunction!(unscale_and_check_, m)?)?;

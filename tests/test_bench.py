@@ -34,6 +34,7 @@ CPU_WORKLOADS = {
     "ddp_transformer_fp32": (29, 1),  # the quick model's parameters; bytes: the gradients reduced
     "step_gpt2_fp32_active": (148, 8),  # the norm's read, then AdamW's 4 reads and 3 writes
     "trainer_gpt2small_fp32": (28, 1),  # the quick model's parameters; bytes: its gradients
+    "stats_gpt2_fp32": (148, 1),  # one read
 }
 ITEMSIZE = {"fp32": 4, "bf16": 2}
 REQUIRED = {
@@ -119,6 +120,7 @@ def test_every_workload_has_torch_and_gradfuse_and_consistent_speedups(quick_run
     assert set(by_workload["buckets_2000x4096_fp32_active"]) == {"torch", "gradfuse", "gradfuse_dropin"}
     assert set(by_workload["ddp_transformer_fp32"]) == {"torch", "gradfuse", "torch_bucket_view", "comm_only"}
     assert set(by_workload["trainer_gpt2small_fp32"]) == {"torch", "gradfuse", "torch:grads", "gradfuse:grads"}
+    assert set(by_workload["stats_gpt2_fp32"]) == {"torch", "gradfuse", "gradfuse_norm"}
     for name, (n_tensors, passes) in CPU_WORKLOADS.items():
         impls = by_workload[name]
         assert {"torch", "gradfuse"} <= set(impls), name

@@ -395,6 +395,7 @@ def _opcheck_cases():
         ("unscale_and_clip_", (g, inv, found, 0.5, 2.0)),
         ("accumulate_", ([torch.zeros(3), torch.zeros(0)], [torch.ones(3).bfloat16(), torch.ones(0)], 0.5)),
         ("clamp_", (f, -0.1, 0.1)),
+        ("multi_tensor_stats", (f, 2.0)),
     ]
 
 

@@ -18,9 +18,11 @@ from .clip import (
     patch_torch,
 )
 from .ops import (
+    TensorStats,
     accumulate_,
     multi_tensor_norm,
     multi_tensor_scale_,
+    multi_tensor_stats,
     unscale_and_check_,
     unscale_and_clip_,
     unscale_check_norm,
@@ -33,6 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GradBuckets",
     "GradScaler",
+    "TensorStats",
     "TrainConfig",
     "Trainer",
     "__version__",
@@ -44,6 +47,7 @@ __all__ = [
     "get_total_norm",
     "multi_tensor_norm",
     "multi_tensor_scale_",
+    "multi_tensor_stats",
     "ops",
     "patch_torch",
     "unscale_and_check_",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -341,6 +342,36 @@ def _clamp_fake(tensors, min, max):
 _register("clamp_(Tensor(a!)[] tensors, float min, float max) -> ()", _clamp_impl, _clamp_fake)
 
 
+# --- multi_tensor_stats -------------------------------------------------------------------
+
+_STATS = "gradfuse.multi_tensor_stats"
+
+
+def _stats_impl(tensors: list[Tensor], norm_type: float):
+    norm_type = P.check_norm_type(_STATS, norm_type)
+    plan = P.make_plan(_STATS, "tensors", tensors, inplace=False)
+    P.check_empty_norm(_STATS, "tensors", norm_type, plan.numels)
+    return _backend(plan.device).stats(plan, norm_type)
+
+
+def _stats_fake(tensors, norm_type):
+    P.check_norm_type(_STATS, norm_type)
+    device = _fake_device(_STATS, "tensors", tensors)
+    out, n = _out_dtype(tensors), len(tensors)
+    return (
+        torch.empty((), dtype=out, device=device),
+        torch.empty(n, dtype=out, device=device),
+        torch.empty(n, dtype=out, device=device),
+        torch.empty(n, dtype=torch.int64, device=device),
+    )
+
+
+_register(
+    "multi_tensor_stats(Tensor[] tensors, float norm_type) -> (Tensor, Tensor, Tensor, Tensor)",
+    _stats_impl,
+    _stats_fake,
+)
+
 # --- public wrappers ----------------------------------------------------------------------
 
 
@@ -432,3 +463,27 @@ def accumulate_(dst: Tensor | Iterable[Tensor], src: Tensor | Iterable[Tensor], 
     P.check_same_length(_ACC, "dst", dst, "src", src)
     if dst:
         torch.ops.gradfuse.accumulate_(dst, src, float(alpha))
+
+
+class TensorStats(NamedTuple):
+    """Gradient-health statistics of a list of tensors (see :func:`multi_tensor_stats`)."""
+
+    total: Tensor  #: 0-d: the norm of all tensors together
+    norms: Tensor  #: (n,): each tensor's norm
+    amax: Tensor  #: (n,): each tensor's largest |x| (inf/NaN when it holds one; 0 when empty)
+    nonfinite: Tensor  #: (n,) int64: each tensor's count of inf and NaN elements
+
+
+def multi_tensor_stats(tensors: Tensor | Iterable[Tensor], norm_type: float = 2.0) -> TensorStats:
+    """The norm of all ``tensors`` together and, per tensor, its norm, its largest magnitude and
+    its count of non-finite elements, all from one read of the tensors (the fused norm's pass).
+
+    The norms are bitwise those of ``multi_tensor_norm(..., per_tensor=True)``; like them they
+    are float32 (float64 when any tensor is float64) and stay on the tensors' device, as do the
+    counts (int64): nothing is read back to the host.
+    """
+    tensors = as_tensor_list(tensors)
+    if not tensors:
+        empty = torch.zeros(0)
+        return TensorStats(torch.zeros(()), empty, empty.clone(), torch.zeros(0, dtype=torch.int64))
+    return TensorStats(*torch.ops.gradfuse.multi_tensor_stats(tensors, float(norm_type)))

@@ -409,6 +409,7 @@ FAMILY_CLASSES = {"clip": ClipFamily, "buckets": BucketClipFamily, "amp": AmpFam
 
 
 def make_family(workload: Workload, device: torch.device, quick: bool) -> Family:
-    from .training import TRAINING_FAMILIES  # built on Family, kept in a module of their own
+    from .health import HEALTH_FAMILIES  # built on Family, kept in modules of their own
+    from .training import TRAINING_FAMILIES
 
-    return (FAMILY_CLASSES | TRAINING_FAMILIES)[workload.family](workload, device, quick)
+    return (FAMILY_CLASSES | TRAINING_FAMILIES | HEALTH_FAMILIES)[workload.family](workload, device, quick)

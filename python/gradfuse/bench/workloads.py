@@ -19,7 +19,7 @@ import torch
 
 Shape = tuple[int, ...]
 
-FAMILIES = ("clip", "buckets", "amp", "accumulate", "ddp", "step", "trainer")
+FAMILIES = ("clip", "buckets", "amp", "accumulate", "ddp", "step", "trainer", "stats")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 #: Tensor counts of the GPU sweep (the chart of speedup against tensor count); the total
@@ -142,6 +142,8 @@ WORKLOADS: list[Workload] = [
     # Training steps: clip + fused AdamW under loss scaling, and a whole Trainer step.
     Workload("step", "gpt2", F32, "active"),
     Workload("trainer", "gpt2small", F32),
+    # Gradient health: per-tensor statistics against the plain fused norm (and torch's passes).
+    Workload("stats", "gpt2", F32),
     # GPU only: a 1B model, 10,000 tiny tensors, and the tensor-count sweep for the chart.
     *_both("clip", "llama1b", F32, cuda_only=True),
     *_both("clip", "llama1b", BF16, cuda_only=True),
