@@ -7,7 +7,7 @@ CPU tensors run on a Rust core, CUDA tensors on Triton kernels, both behind `gra
 torch custom ops.
 """
 
-from . import ops
+from . import clipping, ops
 from .buckets import GradBuckets
 from .clip import (
     clip_grad_norm,
@@ -44,6 +44,7 @@ __all__ = [
     "clip_grad_norm_",
     "clip_grad_value_",
     "clip_grads_with_norm_",
+    "clipping",
     "get_total_norm",
     "multi_tensor_norm",
     "multi_tensor_scale_",

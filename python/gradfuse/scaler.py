@@ -141,9 +141,12 @@ class GradScaler(torch.amp.GradScaler):
         Call it once per optimizer between ``scale(loss).backward()`` and ``step``, in place of
         ``unscale_`` + ``clip_grad_norm_``. For an optimizer that takes ``grad_scale`` (fused
         Adam/AdamW/SGD/Adagrad) the gradients are only read here; the unscale and the clip are
-        applied by ``step``, inside the optimizer's own read. No host sync.
+        applied by ``step``, inside the optimizer's own read. No host sync. ``max_norm`` may
+        also be a clipping policy (``gradfuse.clipping``: ZClip, AutoClip, AGC).
         """
         op = "GradScaler.unscale_and_clip_"
+        if hasattr(max_norm, "clip_coef") or hasattr(max_norm, "unscale_and_clip_"):  # a gradfuse.clipping policy
+            return self._unscale_and_clip_by_policy(optimizer, max_norm, norm_type)
         max_norm = check_max_norm(op, max_norm)
         norm_type = P.check_norm_type(op, norm_type)
         self._check_ready(optimizer)
@@ -188,6 +191,48 @@ class GradScaler(torch.amp.GradScaler):
             norms.append(norm)
         total = _combine_totals(norms, norm_type)
         return total, found, clip_coef(total, max_norm).to(inv_scale.device)
+
+    def _unscale_and_clip_by_policy(self, optimizer, policy, norm_type: float) -> Tensor:
+        """``unscale_and_clip_`` with a clipping policy (``gradfuse.clipping``) in place of
+        ``max_norm``. A norm policy: one read-only pass gives the norm of the unscaled gradients
+        and ``found_inf``, the policy turns the norm into a coefficient on the device, and the
+        coefficient joins the unscale factor (in a fused optimizer's read, or one write pass).
+        A per-unit policy (AGC) unscales and clips in its own two passes."""
+        norm_type = P.check_norm_type("GradScaler.unscale_and_clip_", norm_type)
+        self._check_ready(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        groups = _fused_groups(grads, one_device=False) if grads else None
+        if groups is None or not hasattr(policy, "clip_coef"):
+            # Per-unit clipping, or gradients gradfuse cannot run: unscale, then the policy.
+            if self._enabled:
+                self.unscale_(optimizer)
+                return policy.clip_grads_(params, norm_type)
+            total = policy.clip_grads_(params, norm_type)
+            self._record(optimizer, {total.device: (~torch.isfinite(total)).float()}, None)
+            return total
+        first = next(iter(groups))
+        if self._enabled:
+            scale = self._scale.to(first)
+            inv_scale = scale.double().reciprocal().float()  # as in unscale_and_clip_
+        else:
+            scale = inv_scale = torch.ones((), dtype=torch.float32, device=first)
+        with torch.no_grad():
+            _check_all(groups)
+            norms, found = [], {}
+            for device, group in groups.items():
+                norm, found[device] = unscale_check_norm(group, inv_scale.to(device), norm_type)
+                norms.append(norm)
+            total = _combine_totals(norms, norm_type)
+            coef = policy.clip_coef(total).to(first)
+            grad_scale = None
+            if _folds(optimizer):
+                grad_scale = (scale / coef).float()
+            else:
+                for device, group in groups.items():
+                    multi_tensor_scale_(group, (inv_scale * coef).to(device))
+        self._record(optimizer, found, grad_scale)
+        return total
 
     def _unscale_and_clip_by_torch(self, optimizer, max_norm: float, norm_type: float) -> Tensor:
         """Gradients gradfuse cannot run (sparse, DTensor, ...): torch's unscale_ and clip."""
