@@ -17,6 +17,7 @@ pub mod parallel;
 pub mod simd;
 pub mod stats;
 pub mod tensor;
+pub mod unitwise;
 
 #[cfg(feature = "python")]
 mod python;

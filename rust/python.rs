@@ -15,6 +15,7 @@ use crate::norm::{self as norms, NormResult};
 use crate::parallel;
 use crate::stats as health;
 use crate::tensor::{find_conflict, find_strided_conflict, RawTensor, Slice, SliceMut, Strided};
+use crate::unitwise;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -267,6 +268,55 @@ fn stats(
     Ok(())
 }
 
+/// The `norm_type`-norm of every unit (`units[i]` equal parts of tensor `i`), written as
+/// `out_code` to `out_addr` (one element per unit, tensor by tensor).
+#[pyfunction]
+fn unit_norms(
+    py: Python<'_>,
+    tensors: &Bound<'_, TensorList>,
+    units: Vec<usize>,
+    norm_type: f64,
+    out_addr: usize,
+    out_code: u8,
+) -> PyResult<()> {
+    let tl = tensors.get();
+    let dtype = out_dtype(out_code)?;
+    let norms = py.detach(|| unitwise::unit_norms(&tl.slices(), &units, norm_type)).map_err(|e| tl.err(e))?;
+    let norms: Vec<f64> = norms.iter().map(|&v| dtype.round(v)).collect();
+    // SAFETY: `out_addr` is the data of a tensor `gradfuse._cpu` allocates for this call, with
+    // one element of `out_code` per unit.
+    unsafe { write_out(out_addr, dtype, &norms) }
+}
+
+/// `x *= factor` per unit (numbered as by `unit_norms`); the factors are read from a float32 or
+/// float64 tensor (`factors_code`) at `factors_addr` with one element per unit.
+#[pyfunction]
+fn scale_units_(
+    py: Python<'_>,
+    tensors: &Bound<'_, TensorList>,
+    units: Vec<usize>,
+    factors_addr: usize,
+    factors_code: u8,
+) -> PyResult<()> {
+    let tl = tensors.get();
+    let dtype = out_dtype(factors_code)?;
+    let n: usize = units.iter().sum();
+    if n > 0 && (factors_addr == 0 || factors_addr % dtype.size() != 0) {
+        return Err(PyValueError::new_err(format!("bad factors address {factors_addr:#x}")));
+    }
+    // SAFETY: non-null and aligned (checked); the Python layer passes a live contiguous tensor
+    // of `dtype` with one element per unit, which no kernel of this call writes.
+    let factors: Vec<f64> = unsafe {
+        match (n, dtype) {
+            (0, _) => Vec::new(),
+            (_, DType::F64) => std::slice::from_raw_parts(factors_addr as *const f64, n).to_vec(),
+            _ => std::slice::from_raw_parts(factors_addr as *const f32, n).iter().map(|&f| f as f64).collect(),
+        }
+    };
+    let views = tl.slices_mut(None)?;
+    py.detach(|| unitwise::scale_units(views, &units, &factors)).map_err(|e| tl.err(e))
+}
+
 /// `x *= scale` in place (nothing is touched when `scale == 1`).
 #[pyfunction]
 fn scale_(py: Python<'_>, tensors: &Bound<'_, TensorList>, scale: f64) -> PyResult<()> {
@@ -415,6 +465,8 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(norm, m)?)?;
     m.add_function(wrap_pyfunction!(unscale_check_norm, m)?)?;
     m.add_function(wrap_pyfunction!(stats, m)?)?;
+    m.add_function(wrap_pyfunction!(unit_norms, m)?)?;
+    m.add_function(wrap_pyfunction!(scale_units_, m)?)?;
     m.add_function(wrap_pyfunction!(scale_, m)?)?;
     m.add_function(wrap_pyfunction!(clip_coef, m)?)?;
     m.add_function(wrap_pyfunction!(unscale_and_check_, m)?)?;

@@ -78,6 +78,19 @@ def stats(plan: Plan, norm_type: float):
     return total, norms, amax, nonfinite
 
 
+def unit_norms(plan: Plan, units: list[int], norm_type: float) -> torch.Tensor:
+    """The norm of every unit, in one read (``gradfuse.ops`` ``unit_norms``)."""
+    out = torch.empty(sum(units), dtype=plan.out_dtype)
+    _rust.unit_norms(_tensor_list(plan), units, norm_type, out.data_ptr(), DTYPE_CODES[out.dtype])
+    return out
+
+
+def scale_units_(plan: Plan, units: list[int], factors: torch.Tensor) -> None:
+    tl = _tensor_list(plan)
+    plan.before_write()
+    _rust.scale_units_(tl, units, factors.data_ptr(), DTYPE_CODES[factors.dtype])
+
+
 def scale_(plan: Plan, scale: torch.Tensor) -> None:
     tl = _tensor_list(plan)
     plan.before_write()

@@ -372,6 +372,68 @@ _register(
     _stats_fake,
 )
 
+# --- unit_norms, scale_units_ (adaptive gradient clipping) --------------------------------
+
+_UNORM = "gradfuse.unit_norms"
+_USCALE = "gradfuse.scale_units_"
+
+
+def _check_units(op: str, tensors: list[Tensor], units: list[int]) -> None:
+    if len(units) != len(tensors):
+        raise ValueError(f"{op}: units has {len(units)} entries for {len(tensors)} tensors")
+    for i, (t, u) in enumerate(zip(tensors, units, strict=True)):
+        n = t.numel()
+        if u < 0 or (u == 0 and n) or (u and n % u):
+            raise ValueError(f"{op}: tensors[{i}] has {n} elements, which cannot be split into units={u} equal units")
+
+
+def _unorm_impl(tensors: list[Tensor], units: list[int], norm_type: float):
+    norm_type = P.check_norm_type(_UNORM, norm_type)
+    _check_units(_UNORM, tensors, units)
+    # Units are rows in logical (row-major) order: a dense but permuted tensor is copied.
+    plan = P.make_plan(_UNORM, "tensors", tensors, inplace=False, dense_ok=False)
+    # A unit of an empty tensor is empty: no identity for these orders (torch refuses them too).
+    P.check_empty_norm(_UNORM, "tensors", norm_type, [n if u else 1 for n, u in zip(plan.numels, units, strict=True)])
+    return _backend(plan.device).unit_norms(plan, list(units), norm_type)
+
+
+def _unorm_fake(tensors, units, norm_type):
+    P.check_norm_type(_UNORM, norm_type)
+    _check_units(_UNORM, tensors, units)
+    device = _fake_device(_UNORM, "tensors", tensors)
+    return torch.empty(sum(units), dtype=_out_dtype(tensors), device=device)
+
+
+_register("unit_norms(Tensor[] tensors, int[] units, float norm_type) -> Tensor", _unorm_impl, _unorm_fake)
+
+
+def _check_factors(factors: Tensor, units: list[int], device) -> None:
+    n = sum(units)
+    if not isinstance(factors, Tensor) or factors.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{_USCALE}: factors must be a float32 or float64 tensor")
+    if factors.dim() != 1 or factors.numel() != n or not factors.is_contiguous():
+        raise ValueError(f"{_USCALE}: factors must be a contiguous 1-d tensor of {n} elements (one per unit)")
+    if factors.device != device:
+        raise ValueError(f"{_USCALE}: factors is on {factors.device}, the tensors on {device}")
+
+
+def _uscale_impl(tensors: list[Tensor], units: list[int], factors: Tensor) -> None:
+    _check_units(_USCALE, tensors, units)
+    if not tensors:
+        return
+    plan = P.make_plan(_USCALE, "tensors", tensors, inplace=True, dense_ok=False)
+    _check_factors(factors, units, plan.device)
+    _backend(plan.device).scale_units_(plan, list(units), factors)
+    plan.finish_inplace(tensors)
+
+
+def _uscale_fake(tensors, units, factors):
+    _check_units(_USCALE, tensors, units)
+    _check_factors(factors, units, _fake_device(_USCALE, "tensors", tensors))
+
+
+_register("scale_units_(Tensor(a!)[] tensors, int[] units, Tensor factors) -> ()", _uscale_impl, _uscale_fake)
+
 # --- public wrappers ----------------------------------------------------------------------
 
 

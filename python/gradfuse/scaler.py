@@ -145,7 +145,7 @@ class GradScaler(torch.amp.GradScaler):
         also be a clipping policy (``gradfuse.clipping``: ZClip, AutoClip, AGC).
         """
         op = "GradScaler.unscale_and_clip_"
-        if hasattr(max_norm, "clip_coef") or hasattr(max_norm, "unscale_and_clip_"):  # a gradfuse.clipping policy
+        if hasattr(max_norm, "clip_grads_"):  # a clipping policy (gradfuse.clipping, gradfuse.agc)
             return self._unscale_and_clip_by_policy(optimizer, max_norm, norm_type)
         max_norm = check_max_norm(op, max_norm)
         norm_type = P.check_norm_type(op, norm_type)
