@@ -35,6 +35,8 @@ CPU_WORKLOADS = {
     "step_gpt2_fp32_active": (148, 8),  # the norm's read, then AdamW's 4 reads and 3 writes
     "trainer_gpt2small_fp32": (28, 1),  # the quick model's parameters; bytes: its gradients
     "stats_gpt2_fp32": (148, 1),  # one read
+    "zclip_gpt2_fp32": (148, 1),  # the norm's read (no clipping after the warm-up)
+    "agc_gpt2_fp32": (148, 3),  # read weights and gradients, write gradients
 }
 ITEMSIZE = {"fp32": 4, "bf16": 2}
 REQUIRED = {

@@ -1,4 +1,4 @@
-"""Gradient-health workloads.
+"""Gradient-health workloads: per-tensor statistics, ZClip and AGC.
 
 * ``stats``: per-tensor norm, largest magnitude and non-finite count of GPT-2's gradients.
   ``torch``: what a training loop writes for it today (``_foreach_norm`` for the norms, then a
@@ -7,17 +7,21 @@
   baseline of the issue's bar (statistics within 1.10x its time on CPU, 1.05x on GPU: the ratio
   of the two rows' medians); ``gradfuse``: ``multi_tensor_stats``, all of it in the norm's one
   read. Read-only: the gradients never change, nothing is restored.
+* ``zclip``: ZClip folded (gradfuse) against the ``zclip`` package on the same gradients (the
+  issue's bar: >= 3x on CPU); needs the package (the workload is listed only when it imports).
+* ``agc``: AGC in two fused passes against timm's per-parameter loop (bar: >= 3x on CPU).
 """
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 
 import gradfuse
 
-from .cases import GRADFUSE_NORM_RTOL, RTOL_VS_TORCH, Family, pristine
+from .cases import GRADFUSE_NORM_RTOL, RTOL_VS_TORCH, Family, assert_lists_close, parameters_for, pristine
 from .measure import BenchError
 
 
@@ -74,4 +78,140 @@ class StatsFamily(Family):
                 raise BenchError("gradfuse: largest magnitudes or non-finite counts differ from torch's")
 
 
-HEALTH_FAMILIES = {"stats": StatsFamily}
+# --- clipping policies --------------------------------------------------------------------
+
+
+class _Holder(torch.nn.Module):
+    """A model-shaped holder of parameters, as the zclip package's ``step(model)`` takes one."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.params = torch.nn.ParameterList(params)
+
+
+class ZClipFamily(Family):
+    """ZClip after its warm-up, on unchanging gradients (so never clipping: the common case).
+    ``torch``: the ``zclip`` package (``ZClip.step(model)``: per-parameter norms, a host read of
+    the total, the EMA in Python); ``gradfuse``: ``clip_grad_norm_(params, gradfuse ZClip)``:
+    the fused norm, the rule on the device, and no scale pass when the coefficient is 1."""
+
+    def __init__(self, workload, device, quick):
+        super().__init__(workload, device, quick)
+        self.pristine = pristine(workload, quick, workload.dtype, device)
+
+    def impls(self):
+        def package(s):
+            return s.policy.step(s.model)
+
+        def fused(s):
+            return gradfuse.clip_grad_norm_(s.model.parameters(), s.policy)
+
+        return {"torch": package, "gradfuse": fused}
+
+    def new_set_for(self, impl):
+        from zclip import ZClip as PackageZClip
+
+        from ..clipping import ZClip
+
+        make = PackageZClip if impl == "torch" else ZClip
+        policy = make(warmup_steps=2, max_grad_norm=None)
+        model = _Holder(parameters_for(self.pristine.clone()))
+        for _ in range(2):  # past the warm-up, untimed
+            policy.step(model) if impl == "torch" else gradfuse.clip_grad_norm_(model.parameters(), policy)
+        return SimpleNamespace(model=model, policy=policy)
+
+    @property
+    def set_bytes(self):
+        return self.numel * self.workload.dtype.itemsize
+
+    @property
+    def bytes_moved(self):
+        return self.set_bytes  # the norm's read; no clipping
+
+    def bind(self, fn, s, k):
+        return lambda: fn(s)
+
+    def restore(self, s):
+        pass  # nothing is written
+
+    def compare(self, outs, buffers):
+        (name,) = outs.keys() - {"torch"}
+        if not math.isclose(float(outs[name]), float(outs["torch"]), rel_tol=RTOL_VS_TORCH[self.workload.dtype]):
+            raise BenchError(f"{name} returned norm {float(outs[name]):.8g}, zclip {float(outs['torch']):.8g}")
+
+
+def _timm_rule(parameters, clip_factor, eps=1e-3):
+    """timm's ``adaptive_clip_grad`` loop (timm/utils/agc.py), written out: a few kernels per
+    parameter. The baseline when timm itself does not import (it needs torchvision)."""
+    for p in parameters:
+        w, g = p.detach(), p.grad.detach()
+        dims = tuple(range(1, w.dim()))
+        wn = w.norm(2) if w.dim() <= 1 else w.norm(2, dim=dims, keepdim=True)
+        gn = g.norm(2) if g.dim() <= 1 else g.norm(2, dim=dims, keepdim=True)
+        max_norm = wn.clamp_(min=eps).mul_(clip_factor)
+        p.grad.detach().copy_(torch.where(gn < max_norm, g, g * (max_norm / gn.clamp(min=1e-6))))
+
+
+AGC_FACTOR = 0.5  # with weights of std 0.02 and gradients of 0.01: about half the units clip
+
+
+class AGCFamily(Family):
+    """AGC on GPT-2's parameters, gradients restored before every call (same work each time).
+    ``torch``: timm's per-parameter loop (``_timm_rule``); ``timm``: timm's own function when
+    it imports; ``gradfuse``: ``gradfuse.agc.adaptive_clip_grad_`` (two fused passes)."""
+
+    restore_every = 1
+
+    def __init__(self, workload, device, quick):
+        super().__init__(workload, device, quick)
+        self.pristine = pristine(workload, quick, workload.dtype, device)
+        gen = torch.Generator(device=device).manual_seed(2)
+        self.weights = [torch.randn(s, generator=gen, device=device).mul_(0.02) for s in self.shapes]
+
+    def impls(self):
+        from ..agc import adaptive_clip_grad_
+
+        impls = {
+            "torch": lambda params: _timm_rule(params, AGC_FACTOR),
+            "gradfuse": lambda params: adaptive_clip_grad_(params, AGC_FACTOR),
+        }
+        try:
+            from timm.utils.agc import adaptive_clip_grad
+
+            impls["timm"] = lambda params: adaptive_clip_grad(params, AGC_FACTOR)
+        except Exception:  # not installed, or without torchvision
+            pass
+        return impls
+
+    def new_set(self):
+        params = [torch.nn.Parameter(w.clone()) for w in self.weights]
+        for p, g in zip(params, self.pristine.clone(), strict=True):
+            p.grad = g
+        return params
+
+    @property
+    def set_bytes(self):
+        return 2 * self.numel * self.workload.dtype.itemsize
+
+    @property
+    def bytes_moved(self):
+        # Read weights and gradients, write the gradients (at most: unclipped units are skipped).
+        return 3 * self.numel * self.workload.dtype.itemsize
+
+    def bind(self, fn, params, k):
+        return lambda: fn(params)
+
+    def restore(self, params):
+        self.pristine.restore([p.grad for p in params])
+
+    def compare(self, outs, buffers):
+        (name,) = outs.keys() - {"torch"}
+        assert_lists_close(
+            f"{name} gradients after AGC",
+            [p.grad for p in buffers[name]],
+            [p.grad for p in buffers["torch"]],
+            RTOL_VS_TORCH[self.workload.dtype],
+        )
+
+
+HEALTH_FAMILIES = {"stats": StatsFamily, "zclip": ZClipFamily, "agc": AGCFamily}
