@@ -317,6 +317,21 @@ class GradScaler(torch.amp.GradScaler):
         first = next(iter(per_device.values()))
         return torch.stack([f.to(first.device) for f in per_device.values()]).amax()
 
+    def skip_step_(self, optimizer: torch.optim.Optimizer, flag: Tensor) -> None:
+        """Mark this step of ``optimizer`` for skipping where the 0-d ``flag`` is nonzero, through
+        ``found_inf`` as an overflow would (on the device: a fused optimizer skips without a host
+        sync; with loss scaling, ``update`` then backs the scale off). Call it after
+        ``unscale_and_clip_`` (or ``unscale_``) and before ``step``."""
+        found = []
+        if id(optimizer) in self._unscaled:
+            found.append(self._unscaled[id(optimizer)].found_inf)
+        if self._enabled:
+            found += self._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {}).values()
+        if not found:
+            raise RuntimeError("skip_step_(): call unscale_and_clip_ or unscale_ on this optimizer first")
+        for f in {id(f): f for f in found}.values():
+            torch.maximum(f, flag.to(f.device, f.dtype), out=f)
+
     def __getstate__(self):
         state = super().__getstate__()
         state["_unscaled"] = {}

@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .health import check_skip_spikes
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -40,6 +42,9 @@ class TrainConfig:
     device: str | None = None  # where to train; None: where the model already is
     eval_every: int | None = None  # steps between evaluations on eval_data; None: at the end only
     max_nan_losses: int = 5  # non-finite losses in a row before training stops
+    # Gradient health (train/health.py): (window, threshold in standard deviations, warmup) to skip
+    # steps whose loss or gradient norm spikes above the window's statistics; None: off.
+    skip_spikes: tuple[int, float, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "grad_accum_steps", "keep_last", "log_every", "max_nan_losses"):
@@ -83,6 +88,7 @@ class TrainConfig:
                 torch.device(self.device)
             except (RuntimeError, TypeError) as err:
                 _fail("device", f"is not a torch device: {self.device!r} ({err})")
+        check_skip_spikes(self.skip_spikes)  # gradient health: raises naming the field
 
     def to_dict(self) -> dict:
         """The fields as plain values (paths as strings), for checkpoints and logs."""

@@ -34,6 +34,7 @@ from . import checkpoint
 from .config import TrainConfig
 from .data import BatchStream, batch_size, to_device, token_count
 from .distributed import connect, training_device
+from .health import SpikeSkipper
 from .metrics import Metrics, Throughput, peak_memory_mb
 from .schedule import build_scheduler
 
@@ -115,6 +116,9 @@ class Trainer:
         self.scheduler = build_scheduler(optimizer, config)
         self.scaler = GradScaler(self.device.type, enabled=config.precision == "fp16")
         self.param_names = {p: name for name, p in model.named_parameters()}
+        # Gradient health (health.py): spike-aware skipping, off unless configured.
+        self.spikes = SpikeSkipper(*config.skip_spikes) if config.skip_spikes is not None else None
+        self.spikes_skipped = 0
 
         self.step = 0  # optimizer steps done
         self.skipped = 0  # steps skipped because the gradients overflowed
@@ -134,9 +138,11 @@ class Trainer:
         self.grads.zero_grad()
         loss, samples, tokens = self._forward_backward()
         grad_norm, found_inf = self._unscale_and_clip()
+        mean_loss = self.world.mean(loss).float()
+        spike = self._check_spikes(mean_loss, grad_norm)  # skips through found_inf, on the device
         # The step's one host sync: whether to step, and what to report.
-        loss_value, norm_value, overflow = torch.stack(
-            [self.world.mean(loss).float(), grad_norm.float().to(loss.device), found_inf.to(loss.device)]
+        loss_value, norm_value, overflow, spiked = torch.stack(
+            [mean_loss, grad_norm.float().to(loss.device), found_inf.to(loss.device), spike.to(loss.device)]
         ).tolist()
         row = {"step": self.step + 1, "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"]}
         row["grad_norm"] = norm_value
@@ -146,7 +152,8 @@ class Trainer:
             self.nan_streak += 1
         else:
             self.nan_streak = 0
-            if overflow:
+            self.spikes_skipped += bool(spiked)
+            if overflow and not spiked:
                 self.skipped += 1
                 row["nonfinite_grads"] = self._nonfinite_grad_names()
             self.scaler.step(self.optimizer)  # skips itself on overflow
@@ -158,7 +165,17 @@ class Trainer:
         self.step += 1
         world = self.world.world_size  # every rank takes batches of the same size
         row.update(skipped=self.skipped, nan_losses=self.nan_losses, samples=samples * world, tokens=tokens * world)
+        if self.spikes is not None:
+            row["spikes_skipped"] = self.spikes_skipped
         return row
+
+    def _check_spikes(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """0-d flag, 1.0 if this step spiked (then marked skipped in the scaler's found_inf)."""
+        if self.spikes is None:
+            return torch.zeros((), device=loss.device)
+        flag = self.spikes.check_(loss, grad_norm)
+        self.scaler.skip_step_(self.optimizer, flag)
+        return flag
 
     def _forward_backward(self) -> tuple[torch.Tensor, int, int]:
         """The micro-steps: (the step's loss on the device, samples, tokens)."""
@@ -267,6 +284,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "counters": {"skipped": self.skipped, "nan_losses": self.nan_losses, "nan_streak": self.nan_streak},
+            "spikes": None if self.spikes is None else {**self.spikes.state_dict(), "skipped": self.spikes_skipped},
             "data": self.batches.state_dict(),
             "rng": checkpoint.rng_state(),
             "config": self.config.to_dict(),
@@ -293,6 +311,10 @@ class Trainer:
         self.skipped, self.nan_losses, self.nan_streak = (
             state["counters"][k] for k in ("skipped", "nan_losses", "nan_streak")
         )
+        if self.spikes is not None and state.get("spikes") is not None:
+            spikes = dict(state["spikes"])
+            self.spikes_skipped = spikes.pop("skipped")
+            self.spikes.load_state_dict(spikes)
         self.batches.load_state_dict(state["data"])
         checkpoint.set_rng_state(state["rng"])
 

@@ -1,0 +1,94 @@
+"""Spike-aware skipping for the Trainer (``TrainConfig(skip_spikes=(window, threshold, warmup))``).
+
+The rule of OLMo-core's skip-step optimizer: a step whose loss or gradient norm is more than
+``threshold`` standard deviations above the mean of the last ``window`` steps is skipped; no
+step is judged before ``warmup`` values are kept. Two differences, both on purpose: the
+statistics live on the device (ring buffers, no host read), and a skipped spike is not added to
+the window (OLMo-core's lets the spikes in, which widens the window's deviation after each one
+and lets the next spike through).
+
+A spike skips the step through the same flag as an overflow (``GradScaler.skip_step_``), so a
+fused optimizer skips it on the device and the trainer reads it in the step's one host sync.
+With fp16 loss scaling the scaler then backs its scale off as after an overflow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def check_skip_spikes(value) -> tuple[int, float, int] | None:
+    """``TrainConfig.skip_spikes`` as ``(window, threshold, warmup)``, or None; raises naming the field."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 3:
+        raise TypeError(f"TrainConfig.skip_spikes must be None or (window, threshold, warmup), got {value!r}")
+    window, threshold, warmup = value
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        raise ValueError(f"TrainConfig.skip_spikes: window must be an integer >= 2, got {window!r}")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < math.inf:
+        raise ValueError(
+            f"TrainConfig.skip_spikes: threshold must be a positive number of deviations, got {threshold!r}"
+        )
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 2 <= warmup <= window:
+        raise ValueError(f"TrainConfig.skip_spikes: warmup must be an integer in [2, window], got {warmup!r}")
+    return window, float(threshold), warmup
+
+
+class SpikeSkipper:
+    """The loss and gradient-norm windows of spike-aware skipping (module docstring)."""
+
+    def __init__(self, window: int = 128, threshold: float = 6.0, warmup: int = 64):
+        self.window, self.threshold, self.warmup = check_skip_spikes((window, threshold, warmup))
+        # Rows: loss, grad norm. Unused slots are NaN. float64: the statistics of a long run.
+        self._values = torch.full((2, self.window), math.nan, dtype=torch.float64)
+        self._count = torch.zeros((), dtype=torch.int64)  # values kept so far (spikes excluded)
+        self.flag = torch.zeros((), dtype=torch.float32)  # 1.0 when the last step checked spiked
+
+    def check_(self, loss: Tensor, grad_norm: Tensor) -> Tensor:
+        """Whether this step's ``loss`` and ``grad_norm`` (0-d, on the device) make a spike: a
+        0-d float32 flag (also kept as ``self.flag``). A finite, non-spike step enters the
+        windows. No host sync."""
+        device = grad_norm.device
+        if self._count.device != device:
+            self._values, self._count = self._values.to(device), self._count.to(device)
+        x = torch.stack([loss.detach().to(device), grad_norm.detach()]).double()
+        kept = ~torch.isnan(self._values)
+        n = kept.sum(dim=1).double()
+        mean = torch.where(kept, self._values, 0.0).sum(dim=1) / n.clamp(min=1)
+        # Unbiased, as torch.std (and OLMo-core's torch.std_mean) computes it.
+        var = torch.where(kept, (self._values - mean[:, None]) ** 2, 0.0).sum(dim=1) / (n - 1).clamp(min=1)
+        finite = torch.isfinite(x).all()
+        above = x > mean + self.threshold * var.sqrt()
+        spike = finite & (self._count >= self.warmup) & above.any()
+        record = finite & ~spike
+        slot = (self._count % self.window).view(1, 1).expand(2, 1)
+        self._values.scatter_(1, slot, torch.where(record, x, self._values.gather(1, slot)[:, 0]).view(2, 1))
+        self._count = self._count + record.long()
+        self.flag = spike.float()
+        return self.flag
+
+    def state_dict(self) -> dict:
+        return {
+            "config": [self.window, self.threshold, self.warmup],
+            "values": self._values.cpu().clone(),
+            "count": self._count.cpu().clone(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or set(state) != {"config", "values", "count"}:
+            raise ValueError("SpikeSkipper.load_state_dict: expected the keys config, values, count")
+        if list(state["config"]) != [self.window, self.threshold, self.warmup]:
+            raise ValueError(
+                f"SpikeSkipper.load_state_dict: saved with skip_spikes={tuple(state['config'])}, "
+                f"now {(self.window, self.threshold, self.warmup)}"
+            )
+        values, count = state["values"], state["count"]
+        if tuple(values.shape) != (2, self.window) or values.dtype != torch.float64 or count.dtype != torch.int64:
+            raise ValueError("SpikeSkipper.load_state_dict: values must be (2, window) float64, count int64")
+        device = self._count.device
+        self._values, self._count = values.clone().to(device), count.clone().to(device)
