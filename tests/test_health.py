@@ -170,3 +170,90 @@ def test_checkpoint_keeps_the_windows(tmp_path):
     )
     torch.testing.assert_close(resumed.spikes._values, trainer.spikes._values, rtol=0, atol=0, equal_nan=True)
     assert resumed.spikes._count.item() == trainer.spikes._count.item() == 6
+
+
+# --- clipping policies in the Trainer -------------------------------------------------------
+
+
+def mse(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def train_with(clip, options, steps=10, **extra):
+    model = Regression()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    cfg = TrainConfig(
+        max_steps=steps, log_every=1, progress=False, clip=clip, clip_options=options, max_grad_norm=None, **extra
+    )
+    return model, Trainer(model, opt, data(), cfg, loss_fn=mse)
+
+
+@pytest.mark.parametrize(
+    ("clip", "options"),
+    [
+        ("zclip", {"warmup_steps": 3, "max_grad_norm": None, "z_thresh": 0.5}),
+        ("autoclip", {"quantile": 0.3, "history_length": 4}),
+    ],
+)
+def test_trainer_policy_matches_a_hand_written_loop(clip, options):
+    import gradfuse
+    from gradfuse.clipping import make_policy
+
+    model, trainer = train_with(clip, options)
+    rows = trainer.fit()
+    ref = Regression()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    policy = make_policy(clip, **options)
+    batches = iter(data())
+    coefs = []
+    for _ in range(10):
+        opt.zero_grad()
+        mse(ref, next(batches)).backward()
+        gradfuse.clip_grad_norm_(ref.parameters(), policy)
+        coefs.append(policy.last_coef.item())
+        opt.step()
+    assert any(c < 1 for c in coefs)  # the policy clipped (a test that can fail)
+    assert [r["clip_coef"] for r in rows] == pytest.approx(coefs, rel=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        # The Trainer folds the coefficient into fused AdamW's grad_scale (a division by 1/coef).
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+def test_trainer_policy_state_resumes_exactly(tmp_path):
+    options = {"warmup_steps": 3, "max_grad_norm": None, "z_thresh": 0.5}
+    straight, t1 = train_with("zclip", options, steps=8)
+    t1.fit()
+    _, first_half = train_with("zclip", options, steps=4, checkpoint_dir=tmp_path)
+    first_half.fit()
+    model = Regression()
+    cfg = TrainConfig(
+        max_steps=8, progress=False, clip="zclip", clip_options=options, max_grad_norm=None, checkpoint_dir=tmp_path
+    )
+    t3 = Trainer(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), data(), cfg, loss_fn=mse, resume="latest"
+    )
+    assert t3.clip_policy._count.item() == 3 and t3.step == 4
+    t3.fit()
+    for p, q in zip(straight.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_trainer_agc_clips_unit_wise():
+    model, trainer = train_with("agc", {"clip_factor": 0.001}, steps=3)
+    rows = trainer.fit()
+    plain, t = train_with("norm", None, steps=3)
+    t.fit()
+    assert all(math.isnan(r["clip_coef"]) for r in rows)  # no single coefficient: said so
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+
+
+def test_clip_config_is_checked_naming_the_field():
+    with pytest.raises(ValueError, match=r"TrainConfig.max_grad_norm must be None with clip='zclip'"):
+        TrainConfig(clip="zclip")
+    with pytest.raises(ValueError, match=r"TrainConfig.clip must be one of"):
+        TrainConfig(clip="clipz", max_grad_norm=None)
+    with pytest.raises(ValueError, match=r"TrainConfig.clip_options: .*quantile"):
+        TrainConfig(clip="autoclip", clip_options={"quantile": 2.0}, max_grad_norm=None)
+    with pytest.raises(ValueError, match=r"TrainConfig.clip_options is for"):
+        TrainConfig(clip_options={"quantile": 0.5})

@@ -52,6 +52,8 @@ class ClipPolicy:
 
     #: Name used by ``make_policy`` and ``TrainConfig(clip=...)``.
     name = ""
+    #: The coefficient of the last ``clip_coef`` call (0-d, on the device), for logging.
+    last_coef: Tensor | None = None
 
     def clip_coef(self, total_norm: Tensor) -> Tensor:
         """The clip coefficient (a 0-d float32 tensor on ``total_norm``'s device, in (0, 1]) for
@@ -158,7 +160,8 @@ class NormClip(ClipPolicy):
         self.max_norm = check_max_norm("NormClip", max_norm)
 
     def clip_coef(self, total_norm: Tensor) -> Tensor:
-        return _fixed_coef(total_norm, self.max_norm).float()
+        self.last_coef = _fixed_coef(total_norm, self.max_norm).float()
+        return self.last_coef
 
     def _config(self):
         return {"max_norm": self.max_norm}
@@ -281,7 +284,8 @@ class ZClip(ClipPolicy):
         self._mean = torch.where(filled, init_mean, torch.where(update, mean, self._mean))
         self._var = torch.where(filled, init_var, torch.where(update, var, self._var))
         self._count = count
-        return torch.where(warm, warm_coef, coef)
+        self.last_coef = torch.where(warm, warm_coef, coef)
+        return self.last_coef
 
     def state_dict(self) -> dict:
         return {
@@ -346,6 +350,7 @@ class AutoClip(ClipPolicy):
         slot = (self._count % self.history_length).view(1)
         self._history.scatter_(0, slot, torch.where(finite, norm, self._history.gather(0, slot)[0]).view(1))
         self._count = self._count + finite.long()
+        self.last_coef = coef
         return coef
 
     def state_dict(self) -> dict:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .health import check_skip_spikes
+from .health import check_clip, check_skip_spikes
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -45,6 +45,10 @@ class TrainConfig:
     # Gradient health (train/health.py): (window, threshold in standard deviations, warmup) to skip
     # steps whose loss or gradient norm spikes above the window's statistics; None: off.
     skip_spikes: tuple[int, float, int] | None = None
+    # Clipping policy (gradfuse.clipping): norm (max_grad_norm) | zclip | autoclip | agc; the others
+    # take their arguments from clip_options and need max_grad_norm=None.
+    clip: str = "norm"
+    clip_options: dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "grad_accum_steps", "keep_last", "log_every", "max_nan_losses"):
@@ -88,7 +92,8 @@ class TrainConfig:
                 torch.device(self.device)
             except (RuntimeError, TypeError) as err:
                 _fail("device", f"is not a torch device: {self.device!r} ({err})")
-        check_skip_spikes(self.skip_spikes)  # gradient health: raises naming the field
+        check_skip_spikes(self.skip_spikes)  # gradient health: these raise naming the field
+        check_clip(self.clip, self.clip_options, self.max_grad_norm)
 
     def to_dict(self) -> dict:
         """The fields as plain values (paths as strings), for checkpoints and logs."""

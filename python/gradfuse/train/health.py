@@ -1,5 +1,12 @@
-"""Spike-aware skipping for the Trainer (``TrainConfig(skip_spikes=(window, threshold, warmup))``).
+"""Gradient health in the Trainer: clipping policies (``TrainConfig(clip=..., clip_options=...)``)
+and spike-aware skipping (``TrainConfig(skip_spikes=(window, threshold, warmup))``).
 
+Clipping policies are ``gradfuse.clipping``'s (``"norm"``: the fixed ``max_grad_norm``;
+``"zclip"``, ``"autoclip"``, ``"agc"``: the policy made from ``clip_options``), applied through
+``GradScaler.unscale_and_clip_`` like the fixed clip: the coefficient on the device, folded into
+a fused optimizer's read; the policy's state is checkpointed.
+
+Spike-aware skipping:
 The rule of OLMo-core's skip-step optimizer: a step whose loss or gradient norm is more than
 ``threshold`` standard deviations above the mean of the last ``window`` steps is skipped; no
 step is judged before ``warmup`` values are kept. Two differences, both on purpose: the
@@ -18,7 +25,38 @@ import math
 
 import torch
 
+from ..clipping import make_policy
+
 Tensor = torch.Tensor
+CLIPS = ("norm", "zclip", "autoclip", "agc")
+
+
+def check_clip(clip, options, max_grad_norm) -> None:
+    """``TrainConfig.clip``/``clip_options`` (with ``max_grad_norm``); raises naming the field."""
+    if clip not in CLIPS:
+        raise ValueError(f"TrainConfig.clip must be one of {', '.join(map(repr, CLIPS))}, got {clip!r}")
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"TrainConfig.clip_options must be a dict or None, got {type(options).__name__}")
+    if clip == "norm":
+        if options:
+            raise ValueError(
+                "TrainConfig.clip_options is for clip='zclip', 'autoclip' or 'agc'; clip='norm' uses max_grad_norm"
+            )
+        return
+    if max_grad_norm is not None:
+        raise ValueError(
+            f"TrainConfig.max_grad_norm must be None with clip={clip!r}: the policy sets the threshold "
+            "(ZClip's cap is clip_options={'max_grad_norm': ...})"
+        )
+    try:
+        make_policy(clip, **(options or {}))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"TrainConfig.clip_options: {err}") from None
+
+
+def clip_policy(config):
+    """The Trainer's clipping policy, or None for the fixed ``max_grad_norm``."""
+    return None if config.clip == "norm" else make_policy(config.clip, **(config.clip_options or {}))
 
 
 def check_skip_spikes(value) -> tuple[int, float, int] | None:

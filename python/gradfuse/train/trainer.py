@@ -34,7 +34,7 @@ from . import checkpoint
 from .config import TrainConfig
 from .data import BatchStream, batch_size, to_device, token_count
 from .distributed import connect, training_device
-from .health import SpikeSkipper
+from .health import SpikeSkipper, clip_policy
 from .metrics import Metrics, Throughput, peak_memory_mb
 from .schedule import build_scheduler
 
@@ -119,6 +119,7 @@ class Trainer:
         # Gradient health (health.py): spike-aware skipping, off unless configured.
         self.spikes = SpikeSkipper(*config.skip_spikes) if config.skip_spikes is not None else None
         self.spikes_skipped = 0
+        self.clip_policy = clip_policy(config)  # None: the fixed max_grad_norm
 
         self.step = 0  # optimizer steps done
         self.skipped = 0  # steps skipped because the gradients overflowed
@@ -140,13 +141,16 @@ class Trainer:
         grad_norm, found_inf = self._unscale_and_clip()
         mean_loss = self.world.mean(loss).float()
         spike = self._check_spikes(mean_loss, grad_norm)  # skips through found_inf, on the device
+        coef = self._policy_coef(loss.device)
         # The step's one host sync: whether to step, and what to report.
-        loss_value, norm_value, overflow, spiked = torch.stack(
-            [mean_loss, grad_norm.float().to(loss.device), found_inf.to(loss.device), spike.to(loss.device)]
+        loss_value, norm_value, overflow, spiked, coef_value = torch.stack(
+            [mean_loss, grad_norm.float().to(loss.device), found_inf.to(loss.device), spike.to(loss.device), coef]
         ).tolist()
         row = {"step": self.step + 1, "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"]}
         row["grad_norm"] = norm_value
         row["clip_coef"] = min(self._max_norm / (norm_value + 1e-6), 1.0) if math.isfinite(norm_value) else math.nan
+        if self.clip_policy is not None:
+            row["clip_coef"] = coef_value
         if not math.isfinite(loss_value):
             self.nan_losses += 1
             self.nan_streak += 1
@@ -196,8 +200,14 @@ class Trainer:
     def _unscale_and_clip(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm before clipping, found_inf), on the device. With a fused optimizer nothing is
         written: the unscale and the clip are applied by ``scaler.step`` inside its read."""
-        grad_norm = self.scaler.unscale_and_clip_(self.optimizer, self._max_norm, self.config.norm_type)
+        limit = self.clip_policy if self.clip_policy is not None else self._max_norm
+        grad_norm = self.scaler.unscale_and_clip_(self.optimizer, limit, self.config.norm_type)
         return grad_norm, self.scaler.found_inf(self.optimizer)
+
+    def _policy_coef(self, device: torch.device) -> torch.Tensor:
+        """The clip coefficient a norm policy applied this step (AGC clips per unit: NaN)."""
+        coef = getattr(self.clip_policy, "last_coef", None)
+        return torch.full((), math.nan, device=device) if coef is None else coef.float().to(device)
 
     @property
     def _max_norm(self) -> float:
@@ -285,6 +295,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "counters": {"skipped": self.skipped, "nan_losses": self.nan_losses, "nan_streak": self.nan_streak},
             "spikes": None if self.spikes is None else {**self.spikes.state_dict(), "skipped": self.spikes_skipped},
+            "clip": None if self.clip_policy is None else self.clip_policy.state_dict(),
             "data": self.batches.state_dict(),
             "rng": checkpoint.rng_state(),
             "config": self.config.to_dict(),
@@ -311,6 +322,8 @@ class Trainer:
         self.skipped, self.nan_losses, self.nan_streak = (
             state["counters"][k] for k in ("skipped", "nan_losses", "nan_streak")
         )
+        if self.clip_policy is not None and state.get("clip") is not None:
+            self.clip_policy.load_state_dict(state["clip"])
         if self.spikes is not None and state.get("spikes") is not None:
             spikes = dict(state["spikes"])
             self.spikes_skipped = spikes.pop("skipped")
