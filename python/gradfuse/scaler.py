@@ -217,11 +217,24 @@ class GradScaler(torch.amp.GradScaler):
             inv_scale = scale.double().reciprocal().float()  # as in unscale_and_clip_
         else:
             scale = inv_scale = torch.ones((), dtype=torch.float32, device=first)
+        observe = getattr(policy, "observe_stats", None)  # a policy that also keeps per-tensor statistics
         with torch.no_grad():
             _check_all(groups)
             norms, found = [], {}
             for device, group in groups.items():
-                norm, found[device] = unscale_check_norm(group, inv_scale.to(device), norm_type)
+                if observe is None:
+                    norm, found[device] = unscale_check_norm(group, inv_scale.to(device), norm_type)
+                else:
+                    # The same single read, with per-tensor norms, largest magnitudes and inf/NaN
+                    # counts of the scaled gradients; the norm scales exactly by a power-of-two
+                    # inv_scale (GradScaler's scales), except order 0, a count.
+                    from .ops import multi_tensor_stats  # here: the import line above is shared
+
+                    stats = multi_tensor_stats(group, norm_type)
+                    inv = inv_scale.to(device)
+                    norm = stats.total if norm_type == 0 else (stats.total * inv).to(stats.total.dtype)
+                    found[device] = (stats.nonfinite.sum() > 0).float()
+                    observe(group, stats, inv)
                 norms.append(norm)
             total = _combine_totals(norms, norm_type)
             coef = policy.clip_coef(total).to(first)

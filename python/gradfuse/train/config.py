@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .health import check_clip, check_skip_spikes
+from .health import check_clip, check_log_grad_norms, check_skip_spikes
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -49,6 +49,9 @@ class TrainConfig:
     # take their arguments from clip_options and need max_grad_norm=None.
     clip: str = "norm"
     clip_options: dict | None = None
+    # Per-module gradient norms and largest magnitudes (module names cut at this depth) in the
+    # metrics rows of log steps, from the clip's own read; None: off.
+    log_grad_norms: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "grad_accum_steps", "keep_last", "log_every", "max_nan_losses"):
@@ -94,6 +97,7 @@ class TrainConfig:
                 _fail("device", f"is not a torch device: {self.device!r} ({err})")
         check_skip_spikes(self.skip_spikes)  # gradient health: these raise naming the field
         check_clip(self.clip, self.clip_options, self.max_grad_norm)
+        check_log_grad_norms(self.log_grad_norms, self.clip)
 
     def to_dict(self) -> dict:
         """The fields as plain values (paths as strings), for checkpoints and logs."""

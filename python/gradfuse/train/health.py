@@ -130,3 +130,65 @@ class SpikeSkipper:
             raise ValueError("SpikeSkipper.load_state_dict: values must be (2, window) float64, count int64")
         device = self._count.device
         self._values, self._count = values.clone().to(device), count.clone().to(device)
+
+
+# --- per-module gradient norms ------------------------------------------------------------
+
+
+def module_prefix(name: str, depth: int) -> str:
+    """``"blocks.0.mlp.0.weight"`` at depth 2 -> ``"blocks.0"`` (a parameter of a shallower
+    module keeps its module's name: ``"head.weight"`` -> ``"head"``)."""
+    parts = name.split(".")[:-1] or name.split(".")
+    return ".".join(parts[:depth])
+
+
+class LayerStatsProbe:
+    """Stands in for the clipping policy (or fixed ``max_norm``) on a log step: the scaler's
+    policy path then takes the norm from ``multi_tensor_stats`` (the same single read) and hands
+    the per-tensor statistics here; the per-module norms and largest magnitudes are reduced on
+    the device, ready for the step's one host sync."""
+
+    def __init__(self, inner, prefixes: dict[int, str], modules: list[str], norm_type: float):
+        self.inner = inner  # a ClipPolicy
+        self.prefixes = prefixes  # id(grad) -> module name
+        self.index = {m: i for i, m in enumerate(modules)}
+        self.modules = modules
+        self.norm_type = norm_type
+        self.parts = []
+
+    def clip_coef(self, total_norm: Tensor) -> Tensor:
+        return self.inner.clip_coef(total_norm)
+
+    def clip_grads_(self, *args, **kwargs):  # gradients the fused path cannot run: the policy's own way
+        return self.inner.clip_grads_(*args, **kwargs)
+
+    def observe_stats(self, group, stats, inv_scale: Tensor) -> None:
+        self.parts.append((group, stats, inv_scale))
+
+    def values(self, device: torch.device) -> Tensor:
+        """``[norm per module..., largest magnitude per module...]`` (float64, on ``device``),
+        NaN for every module when the statistics were not taken (gradients torch had to clip)."""
+        n, p = len(self.modules), self.norm_type
+        if not self.parts:
+            return torch.full((2 * n,), math.nan, dtype=torch.float64, device=device)
+        sums = torch.zeros(n, dtype=torch.float64, device=device)
+        amax = torch.zeros(n, dtype=torch.float64, device=device)
+        for group, stats, inv in self.parts:
+            idx = torch.tensor([self.index[self.prefixes[id(g)]] for g in group], device=device)
+            norms = stats.norms.double().to(device) * inv.double().to(device)
+            if math.isinf(p):
+                sums.scatter_reduce_(0, idx, norms, "amax" if p > 0 else "amin", include_self=p > 0)
+            else:
+                sums.index_add_(0, idx, norms.pow(p))
+            amax.scatter_reduce_(0, idx, stats.amax.double().to(device) * inv.double().to(device), "amax")
+        norms = sums if math.isinf(p) else sums.pow(1.0 / p)
+        return torch.cat([norms, amax])
+
+
+def check_log_grad_norms(depth, clip) -> None:
+    if depth is None:
+        return
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"TrainConfig.log_grad_norms must be a module depth >= 1 or None, got {depth!r}")
+    if clip == "agc":
+        raise ValueError("TrainConfig.log_grad_norms is not available with clip='agc' (its passes are per unit)")

@@ -34,7 +34,7 @@ from . import checkpoint
 from .config import TrainConfig
 from .data import BatchStream, batch_size, to_device, token_count
 from .distributed import connect, training_device
-from .health import SpikeSkipper, clip_policy
+from .health import LayerStatsProbe, SpikeSkipper, clip_policy, module_prefix
 from .metrics import Metrics, Throughput, peak_memory_mb
 from .schedule import build_scheduler
 
@@ -120,6 +120,7 @@ class Trainer:
         self.spikes = SpikeSkipper(*config.skip_spikes) if config.skip_spikes is not None else None
         self.spikes_skipped = 0
         self.clip_policy = clip_policy(config)  # None: the fixed max_grad_norm
+        self.probe: LayerStatsProbe | None = None  # per-module statistics of this step (log steps)
 
         self.step = 0  # optimizer steps done
         self.skipped = 0  # steps skipped because the gradients overflowed
@@ -143,14 +144,21 @@ class Trainer:
         spike = self._check_spikes(mean_loss, grad_norm)  # skips through found_inf, on the device
         coef = self._policy_coef(loss.device)
         # The step's one host sync: whether to step, and what to report.
-        loss_value, norm_value, overflow, spiked, coef_value = torch.stack(
+        values = torch.stack(
             [mean_loss, grad_norm.float().to(loss.device), found_inf.to(loss.device), spike.to(loss.device), coef]
-        ).tolist()
+        )
+        layers = self.probe.values(loss.device) if self.probe is not None else None
+        values = values.tolist() if layers is None else torch.cat([values.double(), layers]).tolist()
+        loss_value, norm_value, overflow, spiked, coef_value = values[:5]
         row = {"step": self.step + 1, "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"]}
         row["grad_norm"] = norm_value
         row["clip_coef"] = min(self._max_norm / (norm_value + 1e-6), 1.0) if math.isfinite(norm_value) else math.nan
         if self.clip_policy is not None:
             row["clip_coef"] = coef_value
+        if self.probe is not None:  # per-module gradient norms and largest magnitudes (log steps)
+            n = len(self.probe.modules)
+            row.update({f"grad_norm/{m}": v for m, v in zip(self.probe.modules, values[5 : 5 + n], strict=True)})
+            row.update({f"grad_amax/{m}": v for m, v in zip(self.probe.modules, values[5 + n :], strict=True)})
         if not math.isfinite(loss_value):
             self.nan_losses += 1
             self.nan_streak += 1
@@ -201,8 +209,23 @@ class Trainer:
         """(norm before clipping, found_inf), on the device. With a fused optimizer nothing is
         written: the unscale and the clip are applied by ``scaler.step`` inside its read."""
         limit = self.clip_policy if self.clip_policy is not None else self._max_norm
-        grad_norm = self.scaler.unscale_and_clip_(self.optimizer, limit, self.config.norm_type)
+        self.probe = self._layer_probe(limit)
+        grad_norm = self.scaler.unscale_and_clip_(self.optimizer, self.probe or limit, self.config.norm_type)
         return grad_norm, self.scaler.found_inf(self.optimizer)
+
+    def _layer_probe(self, limit) -> LayerStatsProbe | None:
+        """On a log step with ``log_grad_norms``: the probe that collects per-module statistics
+        from the clip's read (health.py)."""
+        cfg, step = self.config, self.step + 1
+        if cfg.log_grad_norms is None or not (step % cfg.log_every == 0 or step in (1, cfg.max_steps)):
+            return None
+        from ..clipping import NormClip
+
+        policy = limit if hasattr(limit, "clip_grads_") else NormClip(limit)
+        prefixes = {
+            id(p.grad): module_prefix(n, cfg.log_grad_norms) for p, n in self.param_names.items() if p.grad is not None
+        }
+        return LayerStatsProbe(policy, prefixes, list(dict.fromkeys(prefixes.values())), cfg.norm_type)
 
     def _policy_coef(self, device: torch.device) -> torch.Tensor:
         """The clip coefficient a norm policy applied this step (AGC clips per unit: NaN)."""
