@@ -37,6 +37,7 @@ CPU_WORKLOADS = {
     "stats_gpt2_fp32": (148, 1),  # one read
     "zclip_gpt2_fp32": (148, 1),  # the norm's read (no clipping after the warm-up)
     "agc_gpt2_fp32": (148, 3),  # read weights and gradients, write gradients
+    "health_gpt2small_fp32": (28, 1),  # the trainer workload's model; bytes: its gradients
 }
 ITEMSIZE = {"fp32": 4, "bf16": 2}
 REQUIRED = {

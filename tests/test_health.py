@@ -323,3 +323,22 @@ def test_layer_norms_per_module_against_float64():
             flat = torch.cat([g.reshape(-1) for g in members]).double() * 0.25
             assert got[i].item() == pytest.approx(torch.linalg.vector_norm(flat, p).item(), rel=2e-6)
             assert got[2 + i].item() == flat.abs().max().item()
+
+
+def test_demo_chart_draws_the_per_module_norms(tmp_path):
+    pytest.importorskip("matplotlib")
+    from gradfuse.demo import write_chart
+
+    rows = [
+        {
+            "step": s,
+            "loss": 2.0 / s,
+            "lr": 0.1,
+            "grad_norm": 1.0 / s,
+            "grad_norm/blocks.0": 0.5 / s,
+            "grad_norm/wte": 0.2,
+        }
+        for s in (1, 10, 20)
+    ]
+    path = write_chart(tmp_path / "c.png", rows, 1.0)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -20,7 +20,7 @@ import torch
 
 Shape = tuple[int, ...]
 
-FAMILIES = ("clip", "buckets", "amp", "accumulate", "ddp", "step", "trainer", "stats", "zclip", "agc")
+FAMILIES = ("clip", "buckets", "amp", "accumulate", "ddp", "step", "trainer", "stats", "zclip", "agc", "health")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 #: Tensor counts of the GPU sweep (the chart of speedup against tensor count); the total
@@ -147,6 +147,7 @@ WORKLOADS: list[Workload] = [
     Workload("stats", "gpt2", F32),
     Workload("zclip", "gpt2", F32),  # listed only where the zclip package imports (see available)
     Workload("agc", "gpt2", F32),
+    Workload("health", "gpt2small", F32),  # the Trainer with log_grad_norms + skip_spikes + zclip
     # GPU only: a 1B model, 10,000 tiny tensors, and the tensor-count sweep for the chart.
     *_both("clip", "llama1b", F32, cuda_only=True),
     *_both("clip", "llama1b", BF16, cuda_only=True),
