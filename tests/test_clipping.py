@@ -240,3 +240,27 @@ def test_scaler_folds_the_policys_coefficient(fused):
         # Folded: the optimizer divides by scale / coef where the reference multiplies by coef.
         torch.testing.assert_close(p, q, rtol=RTOL, atol=1e-7)
     torch.testing.assert_close(pa._mean, pb._mean, rtol=1e-6, atol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_policies_run_without_a_host_sync():
+    """ZClip, AutoClip (and AGC, in gradfuse.agc) on CUDA gradients: no host sync after the
+    first call (which moves the policy's state to the device), the same coefficients as on CPU."""
+    from gradfuse.agc import AGC
+
+    for make in (lambda: ZClip(warmup_steps=2, max_grad_norm=None), lambda: AutoClip(0.5, 4), lambda: AGC(0.05)):
+        on_gpu, on_cpu = model().cuda(), model()
+        policy, ref = make(), make()
+        for k, grads in enumerate(gradient_sequence(8)):
+            set_grads(on_cpu, grads)
+            set_grads(on_gpu, [g.cuda() for g in grads])
+            if k:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                gradfuse.clip_grad_norm_(on_gpu.parameters(), policy)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            gradfuse.clip_grad_norm_(on_cpu.parameters(), ref)
+            for p, q in zip(on_gpu.parameters(), on_cpu.parameters(), strict=True):
+                torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=RTOL, atol=0)
