@@ -18,6 +18,7 @@ SCENARIOS = [
     "two_ranks_match_one_process_on_the_combined_batch",
     "communication_only_on_the_last_micro_step",
     "rank_0_writes_and_every_rank_resumes",
+    "health_features_agree_across_ranks",
 ]
 
 
