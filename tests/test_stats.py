@@ -154,3 +154,12 @@ def test_cuda_stats_match_the_rust_core_without_a_host_sync():
     want = gradfuse.multi_tensor_stats([t.cpu() for t in tensors])
     torch.testing.assert_close(got.norms.cpu(), want.norms, rtol=2 * rtol(tensors), atol=0, equal_nan=True)
     assert same_bits(got.amax.cpu(), want.amax) and torch.equal(got.nonfinite.cpu(), want.nonfinite)
+
+
+def test_the_norms_stats_option_is_multi_tensor_stats(backend):
+    tensors = tensors_of(torch.float32, sizes_for(backend), seed=13)
+    tensors[3][0] = math.inf
+    a, b = gradfuse.multi_tensor_norm(tensors, 1.0, stats=True), gradfuse.multi_tensor_stats(tensors, 1.0)
+    assert isinstance(a, gradfuse.TensorStats)
+    assert all(same_bits(x, y) for x, y in zip(a, b, strict=True))
+    assert a.nonfinite.tolist() == [0, 0, 0, 1, *[0] * (len(tensors) - 4)]

@@ -444,14 +444,19 @@ def as_tensor_list(tensors: Tensor | Iterable[Tensor]) -> list[Tensor]:
     return list(tensors)
 
 
-def multi_tensor_norm(tensors: Tensor | Iterable[Tensor], norm_type: float = 2.0, *, per_tensor: bool = False):
+def multi_tensor_norm(
+    tensors: Tensor | Iterable[Tensor], norm_type: float = 2.0, *, per_tensor: bool = False, stats: bool = False
+):
     """The ``norm_type``-norm of all ``tensors`` together, in one pass over memory.
 
     Accumulates in float32 (float64 when any tensor is float64) whatever the tensors' dtype,
     so bf16/fp16 norms are accurate to fp32. Returns a 0-d tensor on the tensors' device, or
     ``(total, per_tensor_norms)`` with ``per_tensor=True``. As torch's ``get_total_norm``,
-    ``norm_type=0`` counts the tensors with a non-zero element.
+    ``norm_type=0`` counts the tensors with a non-zero element. ``stats=True``: a
+    :class:`TensorStats` from the same single pass (:func:`multi_tensor_stats`).
     """
+    if stats:
+        return multi_tensor_stats(tensors, norm_type)
     tensors = as_tensor_list(tensors)
     if not tensors:
         total = torch.zeros(())
