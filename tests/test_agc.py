@@ -198,6 +198,20 @@ def test_scaler_with_agc_unscales_then_clips_unit_wise():
     scaler.unscale_and_clip_(opt, AGC(0.05))
     adaptive_clip_grad_(b.parameters(), 0.05)
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)  # power-of-two unscale: exact
+        # Unscaled and clipped in one write, x * (inv * factor): with a power-of-two inv_scale,
+        # bit for bit the clip of the unscaled gradients.
+        assert torch.equal(p.grad, q.grad)
+    assert scaler.found_inf(opt).item() == 0
     scaler.step(opt)
     scaler.update()
+    # An overflow: found_inf set, the step skipped, the scale backed off.
+    scale = scaler.scale(torch.ones(())).item()
+    with_grads(a, seed=2)
+    next(a.parameters()).grad[0, 0, 0, 0] = math.inf
+    before = [p.detach().clone() for p in a.parameters()]
+    scaler.unscale_and_clip_(opt, AGC(0.05))
+    assert scaler.found_inf(opt).item() == 1
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(x, p) for x, p in zip(before, a.parameters(), strict=True))
+    assert scaler.get_scale() == scale / 2

@@ -37,32 +37,46 @@ def _units(p: Tensor) -> int:
 def adaptive_clip_grad_(parameters, clip_factor: float = 0.01, eps: float = 1e-3, norm_type: float = 2.0) -> Tensor:
     """Clip ``p.grad`` of every parameter unit-wise (module docstring); returns the
     ``norm_type``-norm of all gradients together before clipping (from the unit norms)."""
+    return _agc(parameters, clip_factor, eps, norm_type, None)[0]
+
+
+def _agc(parameters, clip_factor, eps, norm_type, inv_scale: Tensor | None):
+    """``(total norm, {device: found_inf})``. With ``inv_scale`` the gradients are loss-scaled:
+    the rule applies to ``grad * inv_scale``, and the one write leaves ``grad * inv_scale *
+    factor`` (unscale and clip together); ``found_inf`` (0-d float32 per device) says whether
+    any unit norm, hence any element, was inf or NaN."""
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
     if not params:
-        return torch.tensor(0.0)
+        return torch.tensor(0.0), {}
     by_device: dict[torch.device, list[Tensor]] = {}
     for p in params:
         by_device.setdefault(p.grad.device, []).append(p)
-    totals = []
+    totals, found = [], {}
     with torch.no_grad():
-        for group in by_device.values():
+        for device, group in by_device.items():
             weights, grads = [p.detach() for p in group], [p.grad for p in group]
             units = [_units(p) for p in group]
             _check_units("gradfuse.adaptive_clip_grad_", grads, units)  # before any pass
             norms = torch.ops.gradfuse.unit_norms(weights + grads, units + units, float(norm_type))
             w_norm, g_norm = norms.split(sum(units))
+            if inv_scale is not None:
+                g_norm = g_norm * inv_scale.to(device, g_norm.dtype)
             max_norm = w_norm.clamp(min=eps).mul_(clip_factor)
             factors = torch.where(g_norm < max_norm, 1.0, max_norm / g_norm.clamp(min=1e-6))
+            if inv_scale is not None:
+                factors = factors * inv_scale.to(device, factors.dtype)
             torch.ops.gradfuse.scale_units_(grads, units, factors)
             totals.append(torch.linalg.vector_norm(g_norm, norm_type))
+            found[device] = (~torch.isfinite(g_norm).all()).float()
     first = totals[0].device
-    return (
+    total = (
         totals[0]
         if len(totals) == 1
         else torch.linalg.vector_norm(torch.stack([t.to(first) for t in totals]), norm_type)
     )
+    return total, found
 
 
 class AGC:
@@ -92,6 +106,11 @@ class AGC:
         if error_if_nonfinite and not torch.isfinite(total):
             raise P.nonfinite_total_error(self.norm_type)
         return total
+
+    def unscale_and_clip_grads_(self, parameters, inv_scale: Tensor):
+        """For ``GradScaler.unscale_and_clip_``: unscale and clip loss-scaled gradients in the
+        same two passes; returns ``(total norm of the unscaled gradients, {device: found_inf})``."""
+        return _agc(parameters, self.clip_factor, self.eps, self.norm_type, inv_scale)
 
     def _config(self) -> dict:
         return {"clip_factor": self.clip_factor, "eps": self.eps, "norm_type": self.norm_type}

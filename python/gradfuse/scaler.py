@@ -203,8 +203,20 @@ class GradScaler(torch.amp.GradScaler):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads = [p.grad for p in params]
         groups = _fused_groups(grads, one_device=False) if grads else None
+        unscale_and_clip = getattr(policy, "unscale_and_clip_grads_", None)  # per-unit (AGC)
+        if groups is not None and unscale_and_clip is not None:
+            try:  # its own two passes, the unscale folded into the clip's write
+                with torch.no_grad():
+                    _check_all(groups)
+                    one = torch.ones((), dtype=torch.float32, device=next(iter(groups)))
+                    inv = self._scale.double().reciprocal().float() if self._enabled else one
+                    total, found = unscale_and_clip(params, inv.to(one.device))
+                self._record(optimizer, found, None)
+                return total
+            except _TORCHS:
+                pass
         if groups is None or not hasattr(policy, "clip_coef"):
-            # Per-unit clipping, or gradients gradfuse cannot run: unscale, then the policy.
+            # Gradients gradfuse cannot run: unscale, then the policy.
             if self._enabled:
                 self.unscale_(optimizer)
                 return policy.clip_grads_(params, norm_type)
