@@ -22,12 +22,12 @@ from ._chunk_table import chunk_bounds, math_type, rewrite_chunk, tensor_ptr
 class RowPlan:
     """The attributes of a ``_plan.Plan`` that a chunk table reads, for the units of a plan."""
 
-    __slots__ = ("addrs", "codes", "device", "inplace", "numels")
+    __slots__ = ("addrs", "codes", "device", "inplace", "name", "numels")
 
     def __init__(self, plan, units: list[int]):
         from .._plan import ELEMENT_SIZE
 
-        self.device, self.inplace = plan.device, plan.inplace
+        self.device, self.inplace, self.name = plan.device, plan.inplace, f"units of {plan.name}"
         self.addrs, self.numels, codes = [], [], []
         for addr, numel, code, u in zip(plan.addrs, plan.numels, plan.codes, units, strict=True):
             n = numel // u if u else 0
