@@ -264,3 +264,25 @@ def test_cuda_policies_run_without_a_host_sync():
             gradfuse.clip_grad_norm_(on_cpu.parameters(), ref)
             for p, q in zip(on_gpu.parameters(), on_cpu.parameters(), strict=True):
                 torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=RTOL, atol=0)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_sparse_gradients_go_to_torch_with_a_policy(enabled):
+    """What the fused kernels cannot run (sparse gradients) is clipped the policy's way by torch,
+    through the drop-in and the scaler, with nothing modified by a failed fused attempt."""
+    for via_scaler in (False, True):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=True)
+        scaler = gradfuse.GradScaler("cpu", enabled=enabled)
+        loss = emb(torch.tensor([1, 2, 2])).sum() * 10
+        (scaler.scale(loss) if via_scaler else loss).backward()
+        unscale = scaler.get_scale() if via_scaler and enabled else 1.0
+        want = torch.linalg.vector_norm(emb.weight.grad.to_dense()) / unscale
+        if via_scaler:
+            opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+            total = scaler.unscale_and_clip_(opt, NormClip(0.5))
+        else:
+            total = gradfuse.clip_grad_norm_(emb.parameters(), NormClip(0.5))
+        assert emb.weight.grad.is_sparse
+        torch.testing.assert_close(total, want, rtol=1e-6, atol=0)
+        assert torch.linalg.vector_norm(emb.weight.grad.to_dense()).item() == pytest.approx(0.5, rel=1e-5)

@@ -215,7 +215,19 @@ class GradScaler(torch.amp.GradScaler):
                 return total
             except _TORCHS:
                 pass
-        if groups is None or not hasattr(policy, "clip_coef"):
+        measured = None
+        if groups is not None and hasattr(policy, "clip_coef"):
+            first = next(iter(groups))
+            if self._enabled:
+                scale = self._scale.to(first)
+                inv_scale = scale.double().reciprocal().float()  # as in unscale_and_clip_
+            else:
+                scale = inv_scale = torch.ones((), dtype=torch.float32, device=first)
+            try:  # read-only: nothing is modified when torch must answer instead
+                measured = self._measure_for_policy(groups, inv_scale, norm_type, policy)
+            except _TORCHS:
+                pass
+        if measured is None:
             # Gradients gradfuse cannot run: unscale, then the policy.
             if self._enabled:
                 self.unscale_(optimizer)
@@ -223,32 +235,8 @@ class GradScaler(torch.amp.GradScaler):
             total = policy.clip_grads_(params, norm_type)
             self._record(optimizer, {total.device: (~torch.isfinite(total)).float()}, None)
             return total
-        first = next(iter(groups))
-        if self._enabled:
-            scale = self._scale.to(first)
-            inv_scale = scale.double().reciprocal().float()  # as in unscale_and_clip_
-        else:
-            scale = inv_scale = torch.ones((), dtype=torch.float32, device=first)
-        observe = getattr(policy, "observe_stats", None)  # a policy that also keeps per-tensor statistics
+        total, found = measured
         with torch.no_grad():
-            _check_all(groups)
-            norms, found = [], {}
-            for device, group in groups.items():
-                if observe is None:
-                    norm, found[device] = unscale_check_norm(group, inv_scale.to(device), norm_type)
-                else:
-                    # The same single read, with per-tensor norms, largest magnitudes and inf/NaN
-                    # counts of the scaled gradients; the norm scales exactly by a power-of-two
-                    # inv_scale (GradScaler's scales), except order 0, a count.
-                    from .ops import multi_tensor_stats  # here: the import line above is shared
-
-                    stats = multi_tensor_stats(group, norm_type)
-                    inv = inv_scale.to(device)
-                    norm = stats.total if norm_type == 0 else (stats.total * inv).to(stats.total.dtype)
-                    found[device] = (stats.nonfinite.sum() > 0).float()
-                    observe(group, stats, inv)
-                norms.append(norm)
-            total = _combine_totals(norms, norm_type)
             coef = policy.clip_coef(total).to(first)
             grad_scale = None
             if _folds(optimizer):
@@ -258,6 +246,31 @@ class GradScaler(torch.amp.GradScaler):
                     multi_tensor_scale_(group, (inv_scale * coef).to(device))
         self._record(optimizer, found, grad_scale)
         return total
+
+    @staticmethod
+    def _measure_for_policy(groups, inv_scale: Tensor, norm_type: float, policy):
+        """One read-only pass per device: (total norm of the unscaled gradients, found_inf per
+        device); per-tensor statistics from the same read for a policy that observes them."""
+        observe = getattr(policy, "observe_stats", None)
+        norms, found = [], {}
+        with torch.no_grad():
+            _check_all(groups)
+            for device, group in groups.items():
+                if observe is None:
+                    norm, found[device] = unscale_check_norm(group, inv_scale.to(device), norm_type)
+                else:
+                    # Per-tensor norms, largest magnitudes and inf/NaN counts of the scaled
+                    # gradients; the norm scales exactly by a power-of-two inv_scale (GradScaler's
+                    # scales), except order 0, a count.
+                    from .ops import multi_tensor_stats  # here: the import line above is shared
+
+                    stats = multi_tensor_stats(group, norm_type)
+                    inv = inv_scale.to(device)
+                    norm = stats.total if norm_type == 0 else (stats.total * inv).to(stats.total.dtype)
+                    found[device] = (stats.nonfinite.sum() > 0).float()
+                    observe(group, stats, inv)
+                norms.append(norm)
+            return _combine_totals(norms, norm_type), found
 
     def _unscale_and_clip_by_torch(self, optimizer, max_norm: float, norm_type: float) -> Tensor:
         """Gradients gradfuse cannot run (sparse, DTensor, ...): torch's unscale_ and clip."""
