@@ -15,9 +15,12 @@ the same order.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gradfuse
 from gradfuse.kernels import _chunk_table as ct
@@ -163,3 +166,30 @@ def test_the_norms_stats_option_is_multi_tensor_stats(backend):
     assert isinstance(a, gradfuse.TensorStats)
     assert all(same_bits(x, y) for x, y in zip(a, b, strict=True))
     assert a.nonfinite.tolist() == [0, 0, 0, 1, *[0] * (len(tensors) - 4)]
+
+
+@settings(max_examples=30)
+@given(
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    sizes=st.lists(st.integers(0, 70000), min_size=1, max_size=5),
+    specials=st.lists(
+        st.tuples(st.integers(0, 4), st.floats(0, 1), st.sampled_from([math.inf, -math.inf, math.nan])), max_size=6
+    ),
+    p=st.sampled_from([2.0, 1.0, 0.0]),
+)
+def test_random_specials_on_the_rust_core(dtype, sizes, specials, p):
+    """Random sizes (up to two segments), dtypes and inf/NaN positions, against float64."""
+    tensors = tensors_of(dtype, sizes, seed=len(sizes))
+    for which, where, value in specials:
+        t = tensors[which % len(tensors)]
+        if t.numel():
+            t[int(where * (t.numel() - 1))] = value
+    before = os.environ.get("GRADFUSE_BACKEND")
+    os.environ["GRADFUSE_BACKEND"] = "rust"  # (hypothesis runs many examples per fixture)
+    try:
+        check(tensors, p, gradfuse.multi_tensor_stats(tensors, p))
+    finally:
+        if before is None:
+            del os.environ["GRADFUSE_BACKEND"]
+        else:
+            os.environ["GRADFUSE_BACKEND"] = before
