@@ -71,13 +71,16 @@ mod avx2 {
     }
 
     /// What [`stats_blocks`] returns: the 16 f64 accumulators of [`sum_blocks`], and over the
-    /// same elements the largest `|x|` that is not NaN, whether any `x` is NaN, and how many
-    /// `x` are inf or NaN.
+    /// same elements the largest `|x|` that is not NaN, and (order 0 only, see below) whether
+    /// any `x` is NaN and how many are inf or NaN.
     pub type BlockStats = ([f64; 16], f32, bool, u64);
 
     /// As [`sum_blocks`] without unscaling (same accumulators, same bits), and in the same read
-    /// the gradient-health statistics of [`BlockStats`]: three more vector ops per 8 elements
-    /// on registers already loaded, where a second loop over the segment would re-read it.
+    /// the largest `|x|`: one `max` more per 8 elements on registers already loaded (an `and`
+    /// too for squares), where a second loop over the segment would re-read it. For orders 2
+    /// and 1 nothing else is needed: an inf or NaN makes the sum (or the max) non-finite, and
+    /// the caller then counts them in a second look at the segment, which finite gradients never
+    /// take. Order 0's terms stay finite, so its loop also counts inf/NaN elements and flags NaN.
     ///
     /// # Safety
     /// As [`sum_blocks`]; also `xs.len() / 8` must fit in an i32 lane (segments are far smaller).
@@ -101,10 +104,12 @@ mod avx2 {
                     let a = _mm256_and_ps(x, abs_mask);
                     // maxps returns its second operand when either is NaN: NaN never enters.
                     amax = _mm256_max_ps(a, amax);
-                    nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
-                    // |x| < inf fails for inf and NaN; the all-ones mask is -1 as an integer.
-                    let bad = _mm256_cmp_ps::<_CMP_NLT_UQ>(a, inf);
-                    count = _mm256_sub_epi32(count, _mm256_castps_si256(bad));
+                    if OP == super::NON_ZERO {
+                        nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+                        // |x| < inf fails for inf and NaN; the all-ones mask is -1 as an integer.
+                        let bad = _mm256_cmp_ps::<_CMP_NLT_UQ>(a, inf);
+                        count = _mm256_sub_epi32(count, _mm256_castps_si256(bad));
+                    }
                     let t = term::<OP>(x, abs_mask, one);
                     *lane = if row == 0 { t } else { _mm256_add_ps(*lane, t) };
                 }

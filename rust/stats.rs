@@ -85,7 +85,14 @@ unsafe fn simd_segment<T: Storage, const OP: u8>(kind: NormKind, xs: &[T]) -> Pa
     let (lanes, amax, nan, nonfinite) = simd::stats_blocks::<T, OP>(blocks);
     let raw = norm::finish_simd_lanes(kind, lanes, tail);
     let (tail_max, tail_nan, tail_bad) = scan(tail);
-    Part { raw, amax: (amax as f64).max(tail_max), nan: nan || tail_nan, nonfinite: nonfinite + tail_bad }
+    let amax = (amax as f64).max(tail_max);
+    if OP != simd::NON_ZERO && (!raw.is_finite() || amax.is_infinite()) {
+        // Orders 2 and 1 do not count in the loop: an inf or NaN (or a square past f32's range)
+        // made the sum or the max non-finite; count them now, from cache.
+        let (amax, nan, nonfinite) = scan(xs);
+        return Part { raw, amax, nan, nonfinite };
+    }
+    Part { raw, amax, nan: nan || tail_nan, nonfinite: nonfinite + tail_bad }
 }
 
 fn segment<T: Storage>(kind: NormKind, xs: &[T]) -> Part {
