@@ -13,8 +13,8 @@ A chunk table's scratch buffers (norm partials and counters) serve one call at a
 one stream are ordered, but two norms of the very same tensors running concurrently on two
 streams would share them.
 
-Launches per call, for tensors of one dtype: ``norm`` 1 (the last program finalizes),
-``scale_``/``clip_grads_with_norm_``/``unscale_and_check_``/``accumulate_``/``clamp_`` 1,
+Launches per call, for tensors of one dtype: ``norm`` 1 (the last program finalizes), ``stats`` 2, ``unit_norms`` 1,
+``scale_units_`` 1, ``scale_``/``clip_grads_with_norm_``/``unscale_and_check_``/``accumulate_``/``clamp_`` 1,
 ``clip_grad_norm_`` 2, ``unscale_check_norm`` 1, ``unscale_and_clip_`` 2. Mixed dtypes (or mixed
 16-byte address alignment) add one launch per extra group to each pass.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _accumulate, _clamp, _norm, _scale, _unscale
+from . import _accumulate, _clamp, _norm, _scale, _stats, _unitwise, _unscale
 from ._chunk_table import chunk_table
 
 __all__ = [
@@ -33,6 +33,9 @@ __all__ = [
     "clip_grads_with_norm_",
     "norm",
     "scale_",
+    "scale_units_",
+    "stats",
+    "unit_norms",
     "unscale_and_check_",
     "unscale_and_clip_",
     "unscale_check_norm",
@@ -63,6 +66,38 @@ def norm(plan, norm_type: float, per_tensor: bool):
     per = torch.empty(len(plan) if per_tensor else 0, dtype=out, device=plan.device)
     _norm.multi_tensor_norm(table, norm_type, total, per if per_tensor else None)
     return total, per
+
+
+def stats(plan, norm_type: float):
+    """``(total, norms, amax, nonfinite)``: the total norm (0-d), and per tensor its norm, its
+    largest magnitude (``plan.out_dtype``) and its count of inf/NaN elements (int64), in one
+    read of the tensors (two launches, see ``_stats``)."""
+    out, n, device = plan.out_dtype, len(plan), plan.device
+    norms, amax = torch.empty(n, dtype=out, device=device), torch.empty(n, dtype=out, device=device)
+    nonfinite = torch.empty(n, dtype=torch.int64, device=device)
+    if n == 0:
+        return torch.zeros((), dtype=out, device=device), norms, amax, nonfinite
+    total = torch.empty((), dtype=out, device=device)
+    _stats.multi_tensor_stats(chunk_table([plan]), norm_type, total, norms, amax, nonfinite)
+    return total, norms, amax, nonfinite
+
+
+def unit_norms(plan, units: list[int], norm_type: float) -> torch.Tensor:
+    """The norm of every unit (``units[i]`` equal parts of tensor ``i``): one norm launch over
+    the units as tensors of their own (``_unitwise``)."""
+    out = torch.empty(sum(units), dtype=plan.out_dtype, device=plan.device)
+    if out.numel():
+        total = torch.empty((), dtype=plan.out_dtype, device=plan.device)
+        _norm.multi_tensor_norm(chunk_table([_unitwise.row_plan(plan, units)]), norm_type, total, out)
+    return out
+
+
+def scale_units_(plan, units: list[int], factors: torch.Tensor) -> None:
+    """``x *= factors[k]`` for every element of unit ``k``; units with factor 1 are not touched."""
+    if sum(units):
+        table = chunk_table([_unitwise.row_plan(plan, units)])
+        plan.before_write()
+        _unitwise.scale_units_(table, factors)
 
 
 def scale_(plan, scale: torch.Tensor) -> None:

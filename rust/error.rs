@@ -23,6 +23,8 @@ pub enum Error {
     BadNormType { p: f64 },
     /// Arguments the bucket planner cannot lay out (see `bucket::plan`).
     BucketPlan { reason: String },
+    /// A tensor of `len` elements cannot be split into `units` equal units (`unitwise`).
+    Units { index: usize, len: usize, units: usize },
 }
 
 /// Formats a norm order as C++'s ostream does (torch's messages use that): 2, -1, 0.5, inf.
@@ -64,6 +66,9 @@ impl Error {
             ),
             Error::BadNormType { p } => format!("norm_type must be a real number, got {p}"),
             Error::BucketPlan { reason } => format!("bucket plan: {reason}"),
+            Error::Units { index, len, units } => {
+                format!("{list}[{index}] has {len} elements, which cannot be split into {units} equal units")
+            }
         }
     }
 }

@@ -15,7 +15,9 @@ pub mod error;
 pub mod norm;
 pub mod parallel;
 pub mod simd;
+pub mod stats;
 pub mod tensor;
+pub mod unitwise;
 
 #[cfg(feature = "python")]
 mod python;

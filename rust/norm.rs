@@ -66,7 +66,7 @@ impl NormKind {
     }
 
     /// The value of a reduction over nothing.
-    fn identity(self) -> f64 {
+    pub(crate) fn identity(self) -> f64 {
         match self {
             NormKind::NegInf => f64::INFINITY,
             _ => 0.0,
@@ -352,6 +352,21 @@ unsafe fn simd_unscale_segment<G: Term, const OP: u8>(xs: &mut [f32], g: G, inv:
     r
 }
 
+/// A segment's raw reduction (no unscaling) of order 2, 1 or 0 from the `f64` lanes that an
+/// AVX2 loop built over its whole `simd::BLOCK`s exactly as `simd::sum_blocks` does, and its
+/// `tail` elements: the same bits as [`reduce_segment`] gives. Used by `stats`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn finish_simd_lanes<T: Storage>(kind: NormKind, lanes: [f64; ACC], tail: &[T]) -> f64 {
+    let one = <T::Math as Real>::ONE;
+    let lanes = (lanes, false);
+    match kind {
+        NormKind::Two => finish_sum::<T, false>(lanes, tail, one, |v| Square.term(v)).0,
+        NormKind::One => finish_sum::<T, false>(lanes, tail, one, |v| Abs.term(v)).0,
+        NormKind::Zero => finish_sum::<T, false>(lanes, tail, one, |v| NonZero.term(v)).0,
+        _ => unreachable!("only orders 2, 1 and 0 have an AVX2 loop"),
+    }
+}
+
 /// A segment's raw reduction of `x * inv` (and whether any `x` is inf/NaN), leaving `x * inv`
 /// in place (rounded to the storage type; untouched when `inv` is 1).
 fn unscale_reduce_segment<T: Storage>(kind: NormKind, xs: &mut [T], inv: f64) -> (f64, bool) {
@@ -409,7 +424,7 @@ multiversion! {
 
 /// Raw reduction of one segment. With `unscale = Some(inv)`, reduces `x * inv` (formed in
 /// `T::Math`, as unscaling in place would) and reports whether any `x` is inf/NaN.
-fn reduce_segment<T: Storage>(kind: NormKind, xs: &[T], unscale: Option<f64>) -> (f64, bool) {
+pub(crate) fn reduce_segment<T: Storage>(kind: NormKind, xs: &[T], unscale: Option<f64>) -> (f64, bool) {
     match kind {
         NormKind::Two => sum_segment(xs, Square, unscale),
         NormKind::One => sum_segment(xs, Abs, unscale),
@@ -431,7 +446,7 @@ pub struct NormResult {
     pub found_inf: bool,
 }
 
-fn check_nonempty(kind: NormKind, mut lens: impl Iterator<Item = usize>) -> Result<()> {
+pub(crate) fn check_nonempty(kind: NormKind, mut lens: impl Iterator<Item = usize>) -> Result<()> {
     if kind.needs_elements() {
         if let Some(index) = lens.position(|n| n == 0) {
             return Err(Error::EmptyNorm { index, p: kind.order() });

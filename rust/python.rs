@@ -13,7 +13,9 @@ use crate::elementwise;
 use crate::error::Error;
 use crate::norm::{self as norms, NormResult};
 use crate::parallel;
+use crate::stats as health;
 use crate::tensor::{find_conflict, find_strided_conflict, RawTensor, Slice, SliceMut, Strided};
+use crate::unitwise;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -231,6 +233,90 @@ fn unscale_check_norm(
     Ok((write_norms(&r, total_addr, 0, dtype)?, r.found_inf))
 }
 
+/// Gradient-health statistics in one read: writes the total norm (0-d) and the per-tensor
+/// norms and largest magnitudes as `out_code`, and the per-tensor non-finite counts as int64.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn stats(
+    py: Python<'_>,
+    tensors: &Bound<'_, TensorList>,
+    norm_type: f64,
+    total_addr: usize,
+    norms_addr: usize,
+    amax_addr: usize,
+    nonfinite_addr: usize,
+    out_code: u8,
+) -> PyResult<()> {
+    let tl = tensors.get();
+    let dtype = out_dtype(out_code)?;
+    let r = py.detach(|| health::stats(&tl.slices(), norm_type)).map_err(|e| tl.err(e))?;
+    if !r.nonfinite.is_empty() && (nonfinite_addr == 0 || nonfinite_addr % 8 != 0) {
+        return Err(PyValueError::new_err(format!("bad output address {nonfinite_addr:#x}")));
+    }
+    // SAFETY: every address comes from a tensor `gradfuse._cpu` allocates for this call: 0-d
+    // for the total, one element per tensor for the others (the counts int64, checked aligned
+    // and non-null above), which nothing else touches during the call.
+    unsafe {
+        write_out(total_addr, dtype, &[dtype.round(r.total)])?;
+        write_out(norms_addr, dtype, &r.norms)?;
+        write_out(amax_addr, dtype, &r.amax)?;
+        if !r.nonfinite.is_empty() {
+            let out = std::slice::from_raw_parts_mut(nonfinite_addr as *mut i64, r.nonfinite.len());
+            out.iter_mut().zip(&r.nonfinite).for_each(|(o, &c)| *o = c as i64);
+        }
+    }
+    Ok(())
+}
+
+/// The `norm_type`-norm of every unit (`units[i]` equal parts of tensor `i`), written as
+/// `out_code` to `out_addr` (one element per unit, tensor by tensor).
+#[pyfunction]
+fn unit_norms(
+    py: Python<'_>,
+    tensors: &Bound<'_, TensorList>,
+    units: Vec<usize>,
+    norm_type: f64,
+    out_addr: usize,
+    out_code: u8,
+) -> PyResult<()> {
+    let tl = tensors.get();
+    let dtype = out_dtype(out_code)?;
+    let norms = py.detach(|| unitwise::unit_norms(&tl.slices(), &units, norm_type)).map_err(|e| tl.err(e))?;
+    let norms: Vec<f64> = norms.iter().map(|&v| dtype.round(v)).collect();
+    // SAFETY: `out_addr` is the data of a tensor `gradfuse._cpu` allocates for this call, with
+    // one element of `out_code` per unit.
+    unsafe { write_out(out_addr, dtype, &norms) }
+}
+
+/// `x *= factor` per unit (numbered as by `unit_norms`); the factors are read from a float32 or
+/// float64 tensor (`factors_code`) at `factors_addr` with one element per unit.
+#[pyfunction]
+fn scale_units_(
+    py: Python<'_>,
+    tensors: &Bound<'_, TensorList>,
+    units: Vec<usize>,
+    factors_addr: usize,
+    factors_code: u8,
+) -> PyResult<()> {
+    let tl = tensors.get();
+    let dtype = out_dtype(factors_code)?;
+    let n: usize = units.iter().sum();
+    if n > 0 && (factors_addr == 0 || factors_addr % dtype.size() != 0) {
+        return Err(PyValueError::new_err(format!("bad factors address {factors_addr:#x}")));
+    }
+    // SAFETY: non-null and aligned (checked); the Python layer passes a live contiguous tensor
+    // of `dtype` with one element per unit, which no kernel of this call writes.
+    let factors: Vec<f64> = unsafe {
+        match (n, dtype) {
+            (0, _) => Vec::new(),
+            (_, DType::F64) => std::slice::from_raw_parts(factors_addr as *const f64, n).to_vec(),
+            _ => std::slice::from_raw_parts(factors_addr as *const f32, n).iter().map(|&f| f as f64).collect(),
+        }
+    };
+    let views = tl.slices_mut(None)?;
+    py.detach(|| unitwise::scale_units(views, &units, &factors)).map_err(|e| tl.err(e))
+}
+
 /// `x *= scale` in place (nothing is touched when `scale == 1`).
 #[pyfunction]
 fn scale_(py: Python<'_>, tensors: &Bound<'_, TensorList>, scale: f64) -> PyResult<()> {
@@ -378,6 +464,9 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TensorList>()?;
     m.add_function(wrap_pyfunction!(norm, m)?)?;
     m.add_function(wrap_pyfunction!(unscale_check_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(stats, m)?)?;
+    m.add_function(wrap_pyfunction!(unit_norms, m)?)?;
+    m.add_function(wrap_pyfunction!(scale_units_, m)?)?;
     m.add_function(wrap_pyfunction!(scale_, m)?)?;
     m.add_function(wrap_pyfunction!(clip_coef, m)?)?;
     m.add_function(wrap_pyfunction!(unscale_and_check_, m)?)?;

@@ -16,7 +16,7 @@ pub const NON_ZERO: u8 = 2;
 pub const BLOCK: usize = 128;
 
 #[cfg(target_arch = "x86_64")]
-pub use avx2::{sum_blocks, unscale_blocks};
+pub use avx2::{stats_blocks, sum_blocks, unscale_blocks};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -68,6 +68,70 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn unscale_blocks<const OP: u8>(xs: &mut [f32], inv: f32) -> ([f64; 16], bool) {
         blocks::<f32, OP, true, true>(xs.as_mut_ptr(), xs.len(), inv)
+    }
+
+    /// What [`stats_blocks`] returns: the 16 f64 accumulators of [`sum_blocks`], and over the
+    /// same elements the largest `|x|` that is not NaN, and (order 0 only, see below) whether
+    /// any `x` is NaN and how many are inf or NaN.
+    pub type BlockStats = ([f64; 16], f32, bool, u64);
+
+    /// As [`sum_blocks`] without unscaling (same accumulators, same bits), and in the same read
+    /// the largest `|x|`: one `max` more per 8 elements on registers already loaded (an `and`
+    /// too for squares), where a second loop over the segment would re-read it. For orders 2
+    /// and 1 nothing else is needed: an inf or NaN makes the sum (or the max) non-finite, and
+    /// the caller then counts them in a second look at the segment, which finite gradients never
+    /// take. Order 0's terms stay finite, so its loop also counts inf/NaN elements and flags NaN.
+    ///
+    /// # Safety
+    /// As [`sum_blocks`]; also `xs.len() / 8` must fit in an i32 lane (segments are far smaller).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn stats_blocks<T: Storage, const OP: u8>(xs: &[T]) -> BlockStats {
+        debug_assert_eq!(xs.len() % BLOCK, 0);
+        let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        let one = _mm256_set1_ps(1.0);
+        let inf = _mm256_set1_ps(f32::INFINITY);
+        let mut acc = [_mm256_setzero_pd(); 4];
+        let mut amax = _mm256_setzero_ps();
+        let mut nan = _mm256_setzero_ps();
+        let mut count = _mm256_setzero_si256();
+        let p0 = xs.as_ptr();
+        for b in 0..xs.len() / BLOCK {
+            let p = p0.add(b * BLOCK);
+            let mut part = [_mm256_setzero_ps(); 4];
+            for row in 0..4 {
+                for (k, lane) in part.iter_mut().enumerate() {
+                    let x = load8(p.add(row * 32 + k * 8));
+                    let a = _mm256_and_ps(x, abs_mask);
+                    // maxps returns its second operand when either is NaN: NaN never enters.
+                    amax = _mm256_max_ps(a, amax);
+                    if OP == super::NON_ZERO {
+                        nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+                        // |x| < inf fails for inf and NaN; the all-ones mask is -1 as an integer.
+                        let bad = _mm256_cmp_ps::<_CMP_NLT_UQ>(a, inf);
+                        count = _mm256_sub_epi32(count, _mm256_castps_si256(bad));
+                    }
+                    let t = term::<OP>(x, abs_mask, one);
+                    *lane = if row == 0 { t } else { _mm256_add_ps(*lane, t) };
+                }
+            }
+            for (k, lane) in part.iter().enumerate() {
+                let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(*lane));
+                let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(*lane));
+                acc[(2 * k) % 4] = _mm256_add_pd(acc[(2 * k) % 4], lo);
+                acc[(2 * k + 1) % 4] = _mm256_add_pd(acc[(2 * k + 1) % 4], hi);
+            }
+        }
+        let mut out = [0f64; 16];
+        for (k, a) in acc.iter().enumerate() {
+            _mm256_storeu_pd(out.as_mut_ptr().add(4 * k), *a);
+        }
+        let mut maxes = [0f32; 8];
+        _mm256_storeu_ps(maxes.as_mut_ptr(), amax);
+        let mut counts = [0i32; 8];
+        _mm256_storeu_si256(counts.as_mut_ptr().cast(), count);
+        let largest = maxes.iter().fold(0f32, |m, &v| m.max(v));
+        let total = counts.iter().map(|&c| c as u64).sum();
+        (out, largest, _mm256_movemask_ps(nan) != 0, total)
     }
 
     /// The loop behind [`sum_blocks`] and [`unscale_blocks`]; `STORE` writes `u` back (f32 only).

@@ -34,6 +34,10 @@ CPU_WORKLOADS = {
     "ddp_transformer_fp32": (29, 1),  # the quick model's parameters; bytes: the gradients reduced
     "step_gpt2_fp32_active": (148, 8),  # the norm's read, then AdamW's 4 reads and 3 writes
     "trainer_gpt2small_fp32": (28, 1),  # the quick model's parameters; bytes: its gradients
+    "stats_gpt2_fp32": (148, 1),  # one read
+    "zclip_gpt2_fp32": (148, 1),  # the norm's read (no clipping after the warm-up)
+    "agc_gpt2_fp32": (148, 3),  # read weights and gradients, write gradients
+    "health_gpt2small_fp32": (28, 1),  # the trainer workload's model; bytes: its gradients
 }
 ITEMSIZE = {"fp32": 4, "bf16": 2}
 REQUIRED = {
@@ -126,6 +130,7 @@ def test_every_workload_has_torch_and_gradfuse_and_consistent_speedups(quick_run
     assert set(by_workload["trainer_gpt2small_fp32"]) == {
         "torch", "gradfuse", "gradfuse_tokens", "torch:grads", "gradfuse:grads",
     }  # fmt: skip
+    assert set(by_workload["stats_gpt2_fp32"]) == {"torch", "gradfuse", "gradfuse_norm"}
     for name, (n_tensors, passes) in CPU_WORKLOADS.items():
         impls = by_workload[name]
         assert {"torch", "gradfuse"} <= set(impls), name

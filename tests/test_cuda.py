@@ -321,6 +321,9 @@ def _opcheck_cases():
             ),
         ),
         ("clamp_", (f, -0.1, 0.1)),
+        ("multi_tensor_stats", (f, 2.0)),
+        ("unit_norms", (f, [3, 0, 1, 1], 2.0)),
+        ("scale_units_", (f, [3, 0, 1, 1], torch.rand(5, device=d))),
     ]
 
 

@@ -435,6 +435,9 @@ def _opcheck_cases():
         ("unscale_norm_", (f, inv, found, 2.0)),
         ("accumulate_", ([torch.zeros(3), torch.zeros(0)], [torch.ones(3).bfloat16(), torch.ones(0)], 0.5)),
         ("clamp_", (f, -0.1, 0.1)),
+        ("multi_tensor_stats", (f, 2.0)),
+        ("unit_norms", (f, [3, 0, 1, 1], 2.0)),
+        ("scale_units_", (f, [3, 0, 1, 1], torch.rand(5))),
     ]
 
 

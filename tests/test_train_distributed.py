@@ -20,6 +20,7 @@ SCENARIOS = [
     "rank_0_writes_and_every_rank_resumes",
     "token_exact_accumulation_over_ranks_and_micro_batches",
     "a_signal_on_one_rank_stops_every_rank_after_the_same_step",
+    "health_features_agree_across_ranks",
 ]
 
 

@@ -209,3 +209,34 @@ def a_signal_on_one_rank_stops_every_rank_after_the_same_step(rank, world):
         dist.barrier()
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def health_features_agree_across_ranks(rank, world):
+    """skip_spikes + clip="zclip" + log_grad_norms on 2 ranks: a loss spike on rank 1 alone is
+    skipped by both (the mean loss spikes), and the weights and per-module norms stay identical."""
+    steps = 12
+    batches = my_share(combined_batches(steps, PER_RANK * world), rank, world)
+    net = model()
+    calls = {"n": 0}
+
+    def loss_fn(model, batch):
+        calls["n"] += 1
+        loss = mse(model, batch)
+        return loss * 100 if rank == 1 and calls["n"] == 10 else loss
+
+    cfg = settings(
+        max_steps=steps, grad_accum_steps=1, max_grad_norm=None, clip="zclip",
+        clip_options={"warmup_steps": 3, "max_grad_norm": None}, skip_spikes=(8, 6.0, 4), log_grad_norms=1,
+    )  # fmt: skip
+    trainer = Trainer(net, torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True), batches, cfg, loss_fn=loss_fn)
+    rows = []
+    for step in range(steps):
+        before = [p.detach().clone() for p in net.parameters()]
+        rows.append(trainer.train_step())
+        if step == 9:
+            assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
+    assert [r["spikes_skipped"] for r in rows] == [0] * 9 + [1] * 3, [r["spikes_skipped"] for r in rows]
+    mine = torch.cat([p.detach().reshape(-1) for p in net.parameters()] + [torch.tensor([rows[-1]["grad_norm/0"]])])
+    both = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(both, mine)
+    assert torch.equal(both[0], both[1])

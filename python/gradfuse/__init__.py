@@ -7,7 +7,7 @@ CPU tensors run on a Rust core, CUDA tensors on Triton kernels, both behind `gra
 torch custom ops.
 """
 
-from . import ops
+from . import clipping, ops
 from .buckets import GradBuckets
 from .clip import (
     clip_grad_norm,
@@ -19,9 +19,11 @@ from .clip import (
 )
 from .ddp_hook import DDPHookState, register_ddp_hook
 from .ops import (
+    TensorStats,
     accumulate_,
     multi_tensor_norm,
     multi_tensor_scale_,
+    multi_tensor_stats,
     unscale_and_check_,
     unscale_and_clip_,
     unscale_check_norm,
@@ -36,6 +38,7 @@ __all__ = [
     "DDPHookState",
     "GradBuckets",
     "GradScaler",
+    "TensorStats",
     "TrainConfig",
     "Trainer",
     "__version__",
@@ -44,9 +47,11 @@ __all__ = [
     "clip_grad_norm_",
     "clip_grad_value_",
     "clip_grads_with_norm_",
+    "clipping",
     "get_total_norm",
     "multi_tensor_norm",
     "multi_tensor_scale_",
+    "multi_tensor_stats",
     "ops",
     "patch_torch",
     "register_ddp_hook",

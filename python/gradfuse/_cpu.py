@@ -60,6 +60,37 @@ def norm(plan: Plan, norm_type: float, per_tensor: bool):
     return total, per
 
 
+def stats(plan: Plan, norm_type: float):
+    """``(total, norms, amax, nonfinite)`` in one read (``gradfuse.ops.multi_tensor_stats``)."""
+    out, n = plan.out_dtype, len(plan)
+    total = torch.empty((), dtype=out)
+    norms, amax = torch.empty(n, dtype=out), torch.empty(n, dtype=out)
+    nonfinite = torch.empty(n, dtype=torch.int64)
+    _rust.stats(
+        _tensor_list(plan),
+        norm_type,
+        total.data_ptr(),
+        norms.data_ptr(),
+        amax.data_ptr(),
+        nonfinite.data_ptr(),
+        DTYPE_CODES[out],
+    )
+    return total, norms, amax, nonfinite
+
+
+def unit_norms(plan: Plan, units: list[int], norm_type: float) -> torch.Tensor:
+    """The norm of every unit, in one read (``gradfuse.ops`` ``unit_norms``)."""
+    out = torch.empty(sum(units), dtype=plan.out_dtype)
+    _rust.unit_norms(_tensor_list(plan), units, norm_type, out.data_ptr(), DTYPE_CODES[out.dtype])
+    return out
+
+
+def scale_units_(plan: Plan, units: list[int], factors: torch.Tensor) -> None:
+    tl = _tensor_list(plan)
+    plan.before_write()
+    _rust.scale_units_(tl, units, factors.data_ptr(), DTYPE_CODES[factors.dtype])
+
+
 def scale_(plan: Plan, scale: torch.Tensor) -> None:
     tl = _tensor_list(plan)
     plan.before_write()

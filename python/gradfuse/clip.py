@@ -337,8 +337,12 @@ def clip_grad_norm_(
     hook's), the norm is the hook's and only the scale pass runs, over DDP's bucket buffers.
     ``process_group``: the gradients are this rank's shard and the norm is over every rank's
     (see :func:`get_total_norm`).
+    ``max_norm`` may also be a clipping policy (``gradfuse.clipping``: ZClip, AutoClip, AGC),
+    which picks the coefficient.
     """
     parameters = _parameters(parameters, warn_empty_generator=True)
+    if hasattr(max_norm, "clip_grads_"):  # a clipping policy (gradfuse.clipping) in place of max_norm
+        return max_norm.clip_grads_(parameters, norm_type, error_if_nonfinite, foreach, process_group=process_group)
     grads = _grads(parameters)
     max_norm = check_max_norm("gradfuse.clip_grad_norm_", max_norm)
     norm_type = P.check_norm_type("gradfuse.clip_grad_norm_", norm_type)

@@ -224,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
         save_every=max(1, args.steps // 2),
         keep_last=2,
         log_every=10,
+        log_grad_norms=2,  # per-block gradient norms in the rows (and the chart): blocks.0, wte, ...
         metrics_path=out / "metrics.jsonl",
         eval_every=max(10, args.steps // 5),
         seed=args.seed,
@@ -270,8 +271,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_chart(path: Path, rows: list[dict], max_grad_norm: float | None = None) -> Path | None:
-    """Loss (train and held-out), gradient norm and learning rate against the step, as a PNG;
-    None, with a message, when matplotlib is missing."""
+    """Loss (train and held-out), gradient norms (the total and, when logged, per module) and
+    learning rate against the step, as a PNG; None, with a message, when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -292,10 +293,12 @@ def write_chart(path: Path, rows: list[dict], max_grad_norm: float | None = None
         ax_loss.plot(*zip(*evals, strict=True), "o-", label="held out")
     ax_loss.set_ylabel("loss (nats/byte)")
     ax_loss.legend()
-    ax_norm.plot(steps, series("grad_norm"))
+    ax_norm.plot(steps, series("grad_norm"), color="black", label="total")
+    for key in sorted({k for r in rows for k in r if k.startswith("grad_norm/")}):  # log_grad_norms
+        ax_norm.plot(steps, series(key), linewidth=0.8, alpha=0.8, label=key.split("/", 1)[1])
     if max_grad_norm is not None:
         ax_norm.axhline(max_grad_norm, color="grey", linestyle="--", linewidth=0.8, label="clipped above")
-        ax_norm.legend()
+    ax_norm.legend(fontsize=6, ncol=3)
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("grad norm (before clipping)")
     ax_lr.plot(steps, series("lr"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -359,6 +360,98 @@ def _clamp_fake(tensors, min, max):
 _register("clamp_(Tensor(a!)[] tensors, float min, float max) -> ()", _clamp_impl, _clamp_fake)
 
 
+# --- multi_tensor_stats -------------------------------------------------------------------
+
+_STATS = "gradfuse.multi_tensor_stats"
+
+
+def _stats_impl(tensors: list[Tensor], norm_type: float):
+    norm_type = P.check_norm_type(_STATS, norm_type)
+    plan = P.make_plan(_STATS, "tensors", tensors, inplace=False)
+    P.check_empty_norm(_STATS, "tensors", norm_type, plan.numels)
+    return _backend(plan.device).stats(plan, norm_type)
+
+
+def _stats_fake(tensors, norm_type):
+    P.check_norm_type(_STATS, norm_type)
+    device = _fake_device(_STATS, "tensors", tensors)
+    out, n = _out_dtype(tensors), len(tensors)
+    return (
+        torch.empty((), dtype=out, device=device),
+        torch.empty(n, dtype=out, device=device),
+        torch.empty(n, dtype=out, device=device),
+        torch.empty(n, dtype=torch.int64, device=device),
+    )
+
+
+_register(
+    "multi_tensor_stats(Tensor[] tensors, float norm_type) -> (Tensor, Tensor, Tensor, Tensor)",
+    _stats_impl,
+    _stats_fake,
+)
+
+# --- unit_norms, scale_units_ (adaptive gradient clipping) --------------------------------
+
+_UNORM = "gradfuse.unit_norms"
+_USCALE = "gradfuse.scale_units_"
+
+
+def _check_units(op: str, tensors: list[Tensor], units: list[int]) -> None:
+    if len(units) != len(tensors):
+        raise ValueError(f"{op}: units has {len(units)} entries for {len(tensors)} tensors")
+    for i, (t, u) in enumerate(zip(tensors, units, strict=True)):
+        n = t.numel()
+        if u < 0 or (u == 0 and n) or (u and n % u):
+            raise ValueError(f"{op}: tensors[{i}] has {n} elements, which cannot be split into units={u} equal units")
+
+
+def _unorm_impl(tensors: list[Tensor], units: list[int], norm_type: float):
+    norm_type = P.check_norm_type(_UNORM, norm_type)
+    _check_units(_UNORM, tensors, units)
+    # Units are rows in logical (row-major) order: a dense but permuted tensor is copied.
+    plan = P.make_plan(_UNORM, "tensors", tensors, inplace=False, dense_ok=False)
+    # A unit of an empty tensor is empty: no identity for these orders (torch refuses them too).
+    P.check_empty_norm(_UNORM, "tensors", norm_type, [n if u else 1 for n, u in zip(plan.numels, units, strict=True)])
+    return _backend(plan.device).unit_norms(plan, list(units), norm_type)
+
+
+def _unorm_fake(tensors, units, norm_type):
+    P.check_norm_type(_UNORM, norm_type)
+    _check_units(_UNORM, tensors, units)
+    device = _fake_device(_UNORM, "tensors", tensors)
+    return torch.empty(sum(units), dtype=_out_dtype(tensors), device=device)
+
+
+_register("unit_norms(Tensor[] tensors, int[] units, float norm_type) -> Tensor", _unorm_impl, _unorm_fake)
+
+
+def _check_factors(factors: Tensor, units: list[int], device) -> None:
+    n = sum(units)
+    if not isinstance(factors, Tensor) or factors.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{_USCALE}: factors must be a float32 or float64 tensor")
+    if factors.dim() != 1 or factors.numel() != n or not factors.is_contiguous():
+        raise ValueError(f"{_USCALE}: factors must be a contiguous 1-d tensor of {n} elements (one per unit)")
+    if factors.device != device:
+        raise ValueError(f"{_USCALE}: factors is on {factors.device}, the tensors on {device}")
+
+
+def _uscale_impl(tensors: list[Tensor], units: list[int], factors: Tensor) -> None:
+    _check_units(_USCALE, tensors, units)
+    if not tensors:
+        return
+    plan = P.make_plan(_USCALE, "tensors", tensors, inplace=True, dense_ok=False)
+    _check_factors(factors, units, plan.device)
+    _backend(plan.device).scale_units_(plan, list(units), factors)
+    plan.finish_inplace(tensors)
+
+
+def _uscale_fake(tensors, units, factors):
+    _check_units(_USCALE, tensors, units)
+    _check_factors(factors, units, _fake_device(_USCALE, "tensors", tensors))
+
+
+_register("scale_units_(Tensor(a!)[] tensors, int[] units, Tensor factors) -> ()", _uscale_impl, _uscale_fake)
+
 # --- public wrappers ----------------------------------------------------------------------
 
 
@@ -369,14 +462,19 @@ def as_tensor_list(tensors: Tensor | Iterable[Tensor]) -> list[Tensor]:
     return list(tensors)
 
 
-def multi_tensor_norm(tensors: Tensor | Iterable[Tensor], norm_type: float = 2.0, *, per_tensor: bool = False):
+def multi_tensor_norm(
+    tensors: Tensor | Iterable[Tensor], norm_type: float = 2.0, *, per_tensor: bool = False, stats: bool = False
+):
     """The ``norm_type``-norm of all ``tensors`` together, in one pass over memory.
 
     Accumulates in float32 (float64 when any tensor is float64) whatever the tensors' dtype,
     so bf16/fp16 norms are accurate to fp32. Returns a 0-d tensor on the tensors' device, or
     ``(total, per_tensor_norms)`` with ``per_tensor=True``. As torch's ``get_total_norm``,
-    ``norm_type=0`` counts the tensors with a non-zero element.
+    ``norm_type=0`` counts the tensors with a non-zero element. ``stats=True``: a
+    :class:`TensorStats` from the same single pass (:func:`multi_tensor_stats`).
     """
+    if stats:
+        return multi_tensor_stats(tensors, norm_type)
     tensors = as_tensor_list(tensors)
     if not tensors:
         total = torch.zeros(())
@@ -462,3 +560,27 @@ def accumulate_(dst: Tensor | Iterable[Tensor], src: Tensor | Iterable[Tensor], 
     P.check_same_length(_ACC, "dst", dst, "src", src)
     if dst:
         torch.ops.gradfuse.accumulate_(dst, src, float(alpha))
+
+
+class TensorStats(NamedTuple):
+    """Gradient-health statistics of a list of tensors (see :func:`multi_tensor_stats`)."""
+
+    total: Tensor  #: 0-d: the norm of all tensors together
+    norms: Tensor  #: (n,): each tensor's norm
+    amax: Tensor  #: (n,): each tensor's largest |x| (inf/NaN when it holds one; 0 when empty)
+    nonfinite: Tensor  #: (n,) int64: each tensor's count of inf and NaN elements
+
+
+def multi_tensor_stats(tensors: Tensor | Iterable[Tensor], norm_type: float = 2.0) -> TensorStats:
+    """The norm of all ``tensors`` together and, per tensor, its norm, its largest magnitude and
+    its count of non-finite elements, all from one read of the tensors (the fused norm's pass).
+
+    The norms are bitwise those of ``multi_tensor_norm(..., per_tensor=True)``; like them they
+    are float32 (float64 when any tensor is float64) and stay on the tensors' device, as do the
+    counts (int64): nothing is read back to the host.
+    """
+    tensors = as_tensor_list(tensors)
+    if not tensors:
+        empty = torch.zeros(0)
+        return TensorStats(torch.zeros(()), empty, empty.clone(), torch.zeros(0, dtype=torch.int64))
+    return TensorStats(*torch.ops.gradfuse.multi_tensor_stats(tensors, float(norm_type)))

@@ -176,8 +176,11 @@ class GradScaler(torch.amp.GradScaler):
         divides the gradients as well, folded into the unscale factor at no extra pass: the
         norm, the clip and the step are those of ``grad / divisor``. As ``unscale_``, an
         enabled scaler refuses fp16 gradients (``ValueError``, nothing modified).
+        ``max_norm`` may also be a clipping policy (``gradfuse.clipping``: ZClip, AutoClip, AGC).
         """
         op = "GradScaler.unscale_and_clip_"
+        if hasattr(max_norm, "clip_grads_"):  # a clipping policy (gradfuse.clipping, gradfuse.agc)
+            return self._unscale_and_clip_by_policy(optimizer, max_norm, norm_type, divisor)
         max_norm = check_max_norm(op, max_norm)
         norm_type = P.check_norm_type(op, norm_type)
         self._check_ready(optimizer)
@@ -257,6 +260,87 @@ class GradScaler(torch.amp.GradScaler):
             norms.append(norm)
         total = _combine_totals(norms, norm_type)
         return total, found, clip_coef(total, max_norm).to(inv_scale.device)
+
+    def _unscale_and_clip_by_policy(self, optimizer, policy, norm_type: float, divisor=None) -> Tensor:
+        """``unscale_and_clip_`` with a clipping policy (``gradfuse.clipping``) in place of
+        ``max_norm``. A norm policy: one read-only pass gives the norm of the unscaled gradients
+        and ``found_inf``, the policy turns the norm into a coefficient on the device, and the
+        coefficient joins the unscale factor (in a fused optimizer's read, or one write pass).
+        A per-unit policy (AGC) unscales and clips in its own two passes."""
+        norm_type = P.check_norm_type("GradScaler.unscale_and_clip_", norm_type)
+        self._check_ready(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        if self._enabled:
+            _refuse_fp16(grads)
+        groups = _fused_groups(grads, one_device=False) if grads else None
+        unscale_and_clip = getattr(policy, "unscale_and_clip_grads_", None)  # per-unit (AGC)
+        if groups is not None and unscale_and_clip is not None:
+            try:  # its own two passes, the unscale folded into the clip's write
+                with torch.no_grad():
+                    _check_all(groups)
+                    _, inv = self._scales(next(iter(groups)), divisor)
+                    total, found = unscale_and_clip(params, inv)
+                self._record(optimizer, found, None)
+                return total
+            except _TORCHS:
+                pass
+        measured = None
+        if groups is not None and hasattr(policy, "clip_coef"):
+            first = next(iter(groups))
+            scale, inv_scale = self._scales(first, divisor)
+            try:  # read-only: nothing is modified when torch must answer instead
+                measured = self._measure_for_policy(groups, inv_scale, norm_type, policy)
+            except _TORCHS:
+                pass
+        if measured is None:
+            # Gradients gradfuse cannot run: unscale, then the policy.
+            if divisor is not None:  # no fused pass to fold it into here: one more
+                with torch.no_grad():
+                    for p in params:
+                        p.grad.div_(torch.as_tensor(divisor, device=p.grad.device))
+            if self._enabled:
+                self.unscale_(optimizer)
+                return policy.clip_grads_(params, norm_type)
+            total = policy.clip_grads_(params, norm_type)
+            self._record(optimizer, {total.device: (~torch.isfinite(total)).float()}, None)
+            return total
+        total, found = measured
+        with torch.no_grad():
+            coef = policy.clip_coef(total).to(first)
+            grad_scale = None
+            if _folds(optimizer):
+                grad_scale = (scale / coef).float()
+            else:
+                for device, group in groups.items():
+                    multi_tensor_scale_(group, (inv_scale * coef).to(device))
+        self._record(optimizer, found, grad_scale)
+        return total
+
+    @staticmethod
+    def _measure_for_policy(groups, inv_scale: Tensor, norm_type: float, policy):
+        """One read-only pass per device: (total norm of the unscaled gradients, found_inf per
+        device); per-tensor statistics from the same read for a policy that observes them."""
+        observe = getattr(policy, "observe_stats", None)
+        norms, found = [], {}
+        with torch.no_grad():
+            _check_all(groups)
+            for device, group in groups.items():
+                if observe is None:
+                    norm, found[device] = unscale_check_norm(group, inv_scale.to(device), norm_type)
+                else:
+                    # Per-tensor norms, largest magnitudes and inf/NaN counts of the scaled
+                    # gradients; the norm scales exactly by a power-of-two inv_scale (GradScaler's
+                    # scales), except order 0, a count.
+                    from .ops import multi_tensor_stats  # here: the import line above is shared
+
+                    stats = multi_tensor_stats(group, norm_type)
+                    inv = inv_scale.to(device)
+                    norm = stats.total if norm_type == 0 else (stats.total * inv).to(stats.total.dtype)
+                    found[device] = (stats.nonfinite.sum() > 0).float()
+                    observe(group, stats, inv)
+                norms.append(norm)
+            return _combine_totals(norms, norm_type), found
 
     def _unscale_and_clip_by_torch(self, optimizer, max_norm: float, norm_type: float, divisor=None) -> Tensor:
         """Gradients gradfuse cannot run (sparse, DTensor, ...): torch's unscale_ and clip."""
@@ -343,6 +427,21 @@ class GradScaler(torch.amp.GradScaler):
             )
         first = next(iter(per_device.values()))
         return torch.stack([f.to(first.device) for f in per_device.values()]).amax()
+
+    def skip_step_(self, optimizer: torch.optim.Optimizer, flag: Tensor) -> None:
+        """Mark this step of ``optimizer`` for skipping where the 0-d ``flag`` is nonzero, through
+        ``found_inf`` as an overflow would (on the device: a fused optimizer skips without a host
+        sync; with loss scaling, ``update`` then backs the scale off). Call it after
+        ``unscale_and_clip_`` (or ``unscale_``) and before ``step``."""
+        found = []
+        if id(optimizer) in self._unscaled:
+            found.append(self._unscaled[id(optimizer)].found_inf)
+        if self._enabled:
+            found += self._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {}).values()
+        if not found:
+            raise RuntimeError("skip_step_(): call unscale_and_clip_ or unscale_ on this optimizer first")
+        for f in {id(f): f for f in found}.values():
+            torch.maximum(f, flag.to(f.device, f.dtype), out=f)
 
     def __getstate__(self):
         state = super().__getstate__()

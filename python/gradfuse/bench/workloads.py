@@ -12,6 +12,7 @@ seconds.
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from .models import make_model, model_config
 
 Shape = tuple[int, ...]
 
-FAMILIES = ("clip", "buckets", "amp", "accumulate", "ddp", "step", "trainer")
+FAMILIES = ("clip", "buckets", "amp", "accumulate", "ddp", "step", "trainer", "stats", "zclip", "agc", "health")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 #: Tensor counts of the GPU sweep (the chart of speedup against tensor count); the total
@@ -142,6 +143,11 @@ WORKLOADS: list[Workload] = [
     # Training steps: clip + fused AdamW under loss scaling, and a whole Trainer step.
     Workload("step", "gpt2", F32, "active"),
     Workload("trainer", "gpt2small", F32),
+    # Gradient health: per-tensor statistics against the plain fused norm (and torch's passes).
+    Workload("stats", "gpt2", F32),
+    Workload("zclip", "gpt2", F32),  # listed only where the zclip package imports (see available)
+    Workload("agc", "gpt2", F32),
+    Workload("health", "gpt2small", F32),  # the Trainer with log_grad_norms + skip_spikes + zclip
     # GPU only: a 1B model, 10,000 tiny tensors, and the tensor-count sweep for the chart.
     *_both("clip", "llama1b", F32, cuda_only=True),
     *_both("clip", "llama1b", BF16, cuda_only=True),
@@ -156,7 +162,14 @@ def available(device_type: str) -> list[Workload]:
     """The workloads run on a device of this type (``cpu`` or ``cuda``), in order. The 2-rank
     data-parallel workload needs two GPUs on CUDA (NCCL)."""
     two_ranks = device_type == "cpu" or torch.cuda.device_count() >= 2
-    return [w for w in WORKLOADS if (device_type == "cuda" or not w.cuda_only) and (w.family != "ddp" or two_ranks)]
+    has_zclip = importlib.util.find_spec("zclip") is not None  # the reference ZClip is compared with
+    return [
+        w
+        for w in WORKLOADS
+        if (device_type == "cuda" or not w.cuda_only)
+        and (w.family != "ddp" or two_ranks)
+        and (w.family != "zclip" or has_zclip)
+    ]
 
 
 def select(device_type: str, patterns: list[str] | None) -> list[Workload]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .health import check_clip, check_log_grad_norms, check_skip_spikes
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 LOSS_NORMALIZATIONS = ("mean", "tokens")
@@ -51,6 +53,16 @@ class TrainConfig:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    # Gradient health (train/health.py): (window, threshold in standard deviations, warmup) to skip
+    # steps whose loss or gradient norm spikes above the window's statistics; None: off.
+    skip_spikes: tuple[int, float, int] | None = None
+    # Clipping policy (gradfuse.clipping): norm (max_grad_norm) | zclip | autoclip | agc; the others
+    # take their arguments from clip_options and need max_grad_norm=None.
+    clip: str = "norm"
+    clip_options: dict | None = None
+    # Per-module gradient norms and largest magnitudes (module names cut at this depth) in the
+    # metrics rows of log steps, from the clip's own read; None: off.
+    log_grad_norms: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "grad_accum_steps", "keep_last", "log_every", "max_nan_losses"):
@@ -104,6 +116,9 @@ class TrainConfig:
                 torch.device(self.device)
             except (RuntimeError, TypeError) as err:
                 _fail("device", f"is not a torch device: {self.device!r} ({err})")
+        check_skip_spikes(self.skip_spikes)  # gradient health: these raise naming the field
+        check_clip(self.clip, self.clip_options, self.max_grad_norm)
+        check_log_grad_norms(self.log_grad_norms, self.clip)
 
     def to_dict(self) -> dict:
         """The fields as plain values (paths as strings), for checkpoints and logs."""

@@ -41,6 +41,7 @@ from .callbacks import Callbacks
 from .config import TrainConfig
 from .data import BatchStream, batch_size, to_device, token_count
 from .distributed import connect, training_device
+from .health import LayerStatsProbe, SpikeSkipper, clip_policy, module_prefix
 from .interrupt import StopSignals, TrainingInterrupted
 from .metrics import Metrics, Throughput, check_tensorboard, peak_memory_mb
 from .schedule import build_scheduler, check_user_scheduler, user_scheduler
@@ -173,6 +174,11 @@ class Trainer:
             enabled=config.precision == "fp16",
         )
         self.param_names = {p: name for name, p in model.named_parameters()}
+        # Gradient health (health.py): spike-aware skipping, off unless configured.
+        self.spikes = SpikeSkipper(*config.skip_spikes) if config.skip_spikes is not None else None
+        self.spikes_skipped = 0
+        self.clip_policy = clip_policy(config)  # None: the fixed max_grad_norm
+        self.probe: LayerStatsProbe | None = None  # per-module statistics of this step (log steps)
 
         self.step = 0  # optimizer steps done
         self.skipped = 0  # steps skipped because the gradients overflowed
@@ -200,24 +206,38 @@ class Trainer:
         # A stop signal rides the loss's all-reduce: every rank stops after the same step.
         stopping = self._stop is not None and self._stop.received is not None
         stop = torch.full((), float(stopping), device=loss.device)  # a fill, not a host-to-device copy
-        shared = self.world.mean(torch.stack([loss.float(), stop]))
-        parts = [shared, grad_norm.float().to(loss.device).reshape(1), found_inf.to(loss.device).reshape(1)]
+        mean_loss, stop = self.world.mean(torch.stack([loss.float(), stop])).unbind()
+        spike = self._check_spikes(mean_loss, grad_norm)  # skips through found_inf, on the device
+        coef = self._policy_coef(loss.device)
+        on_device = [mean_loss, stop, grad_norm.float().to(loss.device), found_inf.to(loss.device).reshape(())]
+        parts = [torch.stack([*on_device, spike.to(loss.device), coef]).double()]
         if divisor is not None:  # tokens: the step's target tokens over every rank
-            parts.append((divisor * self.world.world_size).reshape(1))
+            parts.append((divisor * self.world.world_size).double().reshape(1))
+        if self.probe is not None:  # per-module statistics (log steps with log_grad_norms)
+            parts.append(self.probe.values(loss.device).double())
         # The step's one host sync: whether to step, and what to report.
-        loss_value, stop_value, norm_value, overflow, *target_tokens = torch.cat(parts).tolist()
+        values = torch.cat(parts).tolist()
+        loss_value, stop_value, norm_value, overflow, spiked, coef_value = values[:6]
+        target_tokens, layers = (values[6:7], values[7:]) if divisor is not None else ([], values[6:])
         self._stopping = stop_value > 0
         row = {"step": self.step + 1, "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"]}
         if target_tokens:
             row["target_tokens"] = round(target_tokens[0])
         row["grad_norm"] = norm_value
         row["clip_coef"] = min(self._max_norm / (norm_value + 1e-6), 1.0) if math.isfinite(norm_value) else math.nan
+        if self.clip_policy is not None:
+            row["clip_coef"] = coef_value
+        if self.probe is not None:  # per-module gradient norms and largest magnitudes (log steps)
+            n = len(self.probe.modules)
+            row.update({f"grad_norm/{m}": v for m, v in zip(self.probe.modules, layers[:n], strict=True)})
+            row.update({f"grad_amax/{m}": v for m, v in zip(self.probe.modules, layers[n:], strict=True)})
         if not math.isfinite(loss_value):
             self.nan_losses += 1
             self.nan_streak += 1
         else:
             self.nan_streak = 0
-            if overflow:
+            self.spikes_skipped += bool(spiked)
+            if overflow and not spiked:
                 self.skipped += 1
                 row["nonfinite_grads"] = self._nonfinite_grad_names()
             self.scaler.step(self.optimizer)  # skips itself on overflow
@@ -229,7 +249,17 @@ class Trainer:
         self.step += 1
         world = self.world.world_size  # every rank takes batches of the same size
         row.update(skipped=self.skipped, nan_losses=self.nan_losses, samples=samples * world, tokens=tokens * world)
+        if self.spikes is not None:
+            row["spikes_skipped"] = self.spikes_skipped
         return row
+
+    def _check_spikes(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """0-d flag, 1.0 if this step spiked (then marked skipped in the scaler's found_inf)."""
+        if self.spikes is None:
+            return torch.zeros((), device=loss.device)
+        flag = self.spikes.check_(loss, grad_norm)
+        self.scaler.skip_step_(self.optimizer, flag)
+        return flag
 
     def _forward_backward(self) -> tuple[torch.Tensor, int, int, torch.Tensor | None]:
         """The micro-steps: (the step's loss on the device, samples, tokens in ``input_ids``,
@@ -300,10 +330,31 @@ class Trainer:
     def _unscale_and_clip(self, divisor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm before clipping, found_inf), on the device. With a fused optimizer nothing is
         written: the unscale and the clip are applied by ``scaler.step`` inside its read."""
+        limit = self.clip_policy if self.clip_policy is not None else self._max_norm
+        self.probe = self._layer_probe(limit)
         grad_norm = self.scaler.unscale_and_clip_(
-            self.optimizer, self._max_norm, self.config.norm_type, divisor=divisor
+            self.optimizer, self.probe or limit, self.config.norm_type, divisor=divisor
         )
         return grad_norm, self.scaler.found_inf(self.optimizer)
+
+    def _layer_probe(self, limit) -> LayerStatsProbe | None:
+        """On a log step with ``log_grad_norms``: the probe that collects per-module statistics
+        from the clip's read (health.py)."""
+        cfg, step = self.config, self.step + 1
+        if cfg.log_grad_norms is None or not (step % cfg.log_every == 0 or step in (1, cfg.max_steps)):
+            return None
+        from ..clipping import NormClip
+
+        policy = limit if hasattr(limit, "clip_grads_") else NormClip(limit)
+        prefixes = {
+            id(p.grad): module_prefix(n, cfg.log_grad_norms) for p, n in self.param_names.items() if p.grad is not None
+        }
+        return LayerStatsProbe(policy, prefixes, list(dict.fromkeys(prefixes.values())), cfg.norm_type)
+
+    def _policy_coef(self, device: torch.device) -> torch.Tensor:
+        """The clip coefficient a norm policy applied this step (AGC clips per unit: NaN)."""
+        coef = getattr(self.clip_policy, "last_coef", None)
+        return torch.full((), math.nan, device=device) if coef is None else coef.float().to(device)
 
     @property
     def _max_norm(self) -> float:
@@ -463,6 +514,8 @@ class Trainer:
                 "nan_streak": self.nan_streak,
                 "best_eval_loss": self.best_eval_loss,
             },
+            "spikes": None if self.spikes is None else {**self.spikes.state_dict(), "skipped": self.spikes_skipped},
+            "clip": None if self.clip_policy is None else self.clip_policy.state_dict(),
             "data": self.batches.state_dict(),
             "rng": checkpoint.rng_state(),
             "config": self.config.to_dict(),
@@ -503,6 +556,12 @@ class Trainer:
         counters = state["counters"]
         self.skipped, self.nan_losses, self.nan_streak = (counters[k] for k in ("skipped", "nan_losses", "nan_streak"))
         self.best_eval_loss = counters.get("best_eval_loss", math.inf)
+        if self.clip_policy is not None and state.get("clip") is not None:
+            self.clip_policy.load_state_dict(state["clip"])
+        if self.spikes is not None and state.get("spikes") is not None:
+            spikes = dict(state["spikes"])
+            self.spikes_skipped = spikes.pop("skipped")
+            self.spikes.load_state_dict(spikes)
         self.batches.load_state_dict(state["data"])
         checkpoint.set_rng_state(state["rng"])
         self.resumed_from = path
