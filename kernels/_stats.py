@@ -4,9 +4,9 @@ magnitude and its count of inf/NaN elements, and the total norm.
 Two launches (plus one per extra dtype group of the table):
 
 - ``_stats_kernel``, one program per chunk, reads the chunk once and writes three partials to
-  scratch: the norm's partial, formed exactly as ``_norm._norm_kernel`` forms it (so the norms
-  are bitwise those of the norm kernel), the largest ``|x|`` (NaN-propagating) and the count
-  of elements that are inf or NaN;
+  scratch: the norm's partial, formed as ``_norm._norm_kernel`` forms it but over smaller
+  blocks (registers: see the launch), so the norms equal the norm kernel's within rounding;
+  the largest ``|x|`` (NaN-propagating); and the count of elements that are inf or NaN;
 - ``_stats_finish_kernel``, one program per tensor, reduces that tensor's partials in chunk
   order (as the norm kernel does) and writes its norm, largest magnitude and count; the last
   program to finish (an int32 counter, reset by that program) reduces the per-tensor raw
@@ -24,6 +24,12 @@ import triton.language as tl
 from . import _chunk_table as ct
 from ._chunk_table import as_f64, chunk_bounds, is_finite, math_type, tail_mask, tensor_ptr
 from ._norm import INF, _combine, _finish, _identity, _reduce, _reduce_range, _term, norm_kind
+
+#: The norm kind whose combine is a max of |x|, for the largest magnitudes. A global read inside a
+#: kernel must be a ``tl.constexpr`` object: the interpreter accepts a plain int, the compiler
+#: refuses it (found by tests/test_compile.py).
+AMAX_KIND = tl.constexpr(INF)
+F64_CODE = 1  # float64's storage code (gradfuse._plan.DTYPE_CODES)
 
 
 @triton.jit(do_not_specialize=["chunk_base", "p_bits"])
@@ -59,17 +65,17 @@ def _stats_kernel(
         mask = offs < body_end
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(MT)
         acc = _combine(acc, _term(x, mask, p, KIND, LIBDEVICE), KIND)
-        big = _combine(big, tl.abs(x), INF)  # masked lanes loaded 0: no effect on a max of |x|
+        big = _combine(big, tl.abs(x), AMAX_KIND)  # masked lanes loaded 0: no effect on a max of |x|
         bad += (~is_finite(x) & mask).to(tl.int32)
     partial = _reduce(acc, KIND)
-    amax = _reduce(big, INF)
+    amax = _reduce(big, AMAX_KIND)
     count = tl.sum(bad, axis=0).to(tl.int64)
 
     offs = tail + tl.arange(0, VEC)
     mask = tail_mask(offs, start, numel, CHUNK)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(MT)
     partial = _combine(partial, _reduce(_term(x, mask, p, KIND, LIBDEVICE), KIND), KIND)
-    amax = _combine(amax, _reduce(tl.abs(x), INF), INF)
+    amax = _combine(amax, _reduce(tl.abs(x), AMAX_KIND), AMAX_KIND)
     count += tl.sum((~is_finite(x) & mask).to(tl.int32), axis=0).to(tl.int64)
     tl.store(partial_ptr + chunk, partial)
     tl.store(amax_ptr + chunk, amax)
@@ -100,7 +106,7 @@ def _stats_finish_kernel(
     first = tl.load(first_chunk_ptr + t)
     count = tl.load(chunk_count_ptr + t)
     raw = _reduce_range(partial_ptr, first, count, KIND, FBLOCK)
-    amax = _reduce_range(amax_ptr, first, count, INF, FBLOCK)
+    amax = _reduce_range(amax_ptr, first, count, AMAX_KIND, FBLOCK)
     bad = tl.zeros([FBLOCK], tl.int64)
     for j in range(0, count, FBLOCK):
         idx = j + tl.arange(0, FBLOCK)
@@ -117,9 +123,10 @@ def _stats_finish_kernel(
         tl.debug_barrier()
         # As the norm kernel with per-tensor results: tensor raws, in order, FBLOCK lanes.
         acc_t = tl.full([FBLOCK], _identity(KIND), tl.float64)
-        for j in range(0, n_tensors, FBLOCK):
-            idx = j + tl.arange(0, FBLOCK)
-            r = tl.load(raw_ptr + idx, mask=idx < n_tensors, other=_identity(KIND), cache_modifier=".cg")
+        # Names of their own: Triton refuses a name whose type changes (j above is int64).
+        for k in range(0, n_tensors, FBLOCK):
+            kdx = k + tl.arange(0, FBLOCK)
+            r = tl.load(raw_ptr + kdx, mask=kdx < n_tensors, other=_identity(KIND), cache_modifier=".cg")
             if KIND == 0:
                 acc_t = acc_t + tl.where(r != 0, 1.0, 0.0)  # torch: the tensors with a non-zero
             else:
@@ -166,6 +173,11 @@ def multi_tensor_stats(
             chunk_bad,
             g.base,
             p_bits,
+            # Smaller blocks than the norm kernel's: three accumulators per lane (sum, max,
+            # count) at 2048 took 133-158 registers for float64 inputs and spilled 8 bytes for
+            # float16 max norms on sm_80; at 1024 float64 max norms still spilled 8 bytes on sm_80
+            # (tests/test_compile.py). 1024, and 512 for float64, fit its limits.
+            BLOCK=ct.BLOCK // 4 if g.codes[0] == F64_CODE else ct.BLOCK // 2,
             CODE=g.codes[0],
             KIND=kind,
             LIBDEVICE=not ct.INTERPRET,

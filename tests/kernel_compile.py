@@ -180,6 +180,7 @@ def calls(quick: bool) -> dict[str, list[Call]]:
             tag,
             lambda p=p, args=args: ops.unscale_and_clip_(args(), _scalar(F32, True), _scalar(F32, True, 0.0), 1.0, p),
         )
+        add("multi_tensor_stats", tag, lambda p=p, args=args: ops.multi_tensor_stats(args(), p))
         add(
             "unscale_norm_",
             tag,
@@ -227,6 +228,22 @@ def calls(quick: bool) -> dict[str, list[Call]]:
             ),
         )
         add("clamp_", tag, lambda d=d, a=a: ops.clamp_([_tensor(d, 5, a)], -1.0, 1.0))
+        # AGC's two passes: per-unit norms (its order 2, every order in the full set), per-unit scale;
+        # units of 8 elements keep every unit 16-byte aligned when the tensor is.
+        for p in (2.0,) if quick else orders:
+            add(
+                "unit_norms",
+                f"{tag} 2 units p={p:g}",
+                lambda d=d, a=a, p=p: ops.unit_norms([_tensor(d, 16, a), _tensor(d, 8, a)], [2, 1], p),
+            )
+        for fd in (F32,) if quick else (F32, F64):
+            add(
+                "scale_units_",
+                f"{tag} factors {DTYPE_NAMES[fd]}",
+                lambda d=d, a=a, fd=fd: ops.scale_units_(
+                    [_tensor(d, 16, a), _tensor(d, 8, a)], [2, 1], torch.ones(3, dtype=fd)
+                ),
+            )
         # accumulate_: every (dst, src) pair, alpha 1 (no multiply) and not; both sides aligned or not.
         for s, alpha in itertools.product((F32, F64, F16, BF16), (1.0,) if quick else (1.0, 0.5)):
             add(

@@ -83,6 +83,11 @@ def test_every_kernel_and_both_targets_are_compiled(results):
         assert targets == set(kc.TARGETS), kernel
 
 
+#: Kernels that read only the per-program partials another kernel wrote (gradfuse's own
+#: float32/int64 scratch, always aligned), never the gradients: no ALIGNED specialization.
+PARTIALS_ONLY = frozenset({"_stats_finish_kernel"})
+
+
 def test_the_grid_reaches_every_dtype_order_and_flag(results, report):
     """What the launchers chose, seen from the kernels' side: every storage dtype (every pair for
     accumulate_), the norm kinds of the set's orders, both alignments in the full set, and every
@@ -103,7 +108,7 @@ def test_the_grid_reaches_every_dtype_order_and_flag(results, report):
     assert seen[("_norm_kernel", "PER_TENSOR")] == seen[("_norm_kernel", "WRITE_PER")] == {False, True}
     assert seen[("_scale_kernel", "MODE")] == {0, 1, 2}
     aligned = {True} if report["quick"] else {True, False}
-    for kernel in gradfuse_kernels():
+    for kernel in gradfuse_kernels() - PARTIALS_ONLY:
         assert seen[(kernel, "ALIGNED")] == aligned, kernel
 
 

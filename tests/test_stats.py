@@ -70,9 +70,16 @@ def check(tensors, p, got):
             want_amax,
         )
         assert got.nonfinite[i].item() == bad[i], (i, got.nonfinite[i].item(), bad[i])
-    # The norms are the plain fused norm's, bit for bit.
+    # The norms are the plain fused norm's: bit for bit on the Rust core (the same loop). The
+    # Triton stats kernel runs smaller blocks than the norm kernel (to keep its three accumulators
+    # in registers, see kernels/_stats.py), so its lanes add in another order: equal within the
+    # norm's own rounding there.
     plain_total, plain_per = gradfuse.multi_tensor_norm(tensors, p, per_tensor=True)
-    assert same_bits(got.norms, plain_per) and same_bits(got.total, plain_total)
+    if os.environ.get("GRADFUSE_BACKEND") == "triton":
+        assert close(got.total.item(), plain_total.item(), tol)
+        assert all(close(a, b, tol) for a, b in zip(got.norms.tolist(), plain_per.tolist(), strict=True))
+    else:
+        assert same_bits(got.norms, plain_per) and same_bits(got.total, plain_total)
 
 
 def tensors_of(dtype, sizes, seed):

@@ -575,7 +575,8 @@ def multi_tensor_stats(tensors: Tensor | Iterable[Tensor], norm_type: float = 2.
     """The norm of all ``tensors`` together and, per tensor, its norm, its largest magnitude and
     its count of non-finite elements, all from one read of the tensors (the fused norm's pass).
 
-    The norms are bitwise those of ``multi_tensor_norm(..., per_tensor=True)``; like them they
+    The norms are those of ``multi_tensor_norm(..., per_tensor=True)`` (bitwise on the CPU; on
+    CUDA the stats kernel's smaller blocks add in another order, within rounding); like them they
     are float32 (float64 when any tensor is float64) and stay on the tensors' device, as do the
     counts (int64): nothing is read back to the host.
     """
