@@ -23,6 +23,7 @@ import math
 import torch
 
 from . import _plan as P
+from ._policy_state import _check_config, _check_keys
 from .ops import _check_units
 
 Tensor = torch.Tensor
@@ -119,8 +120,6 @@ class AGC:
         return {"config": self._config()}
 
     def load_state_dict(self, state: dict) -> None:
-        from .clipping import _check_config, _check_keys
-
         _check_keys(self, state, {"config"})
         _check_config(self, state)
 

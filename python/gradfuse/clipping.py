@@ -36,6 +36,7 @@ import math
 import torch
 
 from . import distributed as D
+from ._policy_state import _check_config, _check_keys
 from .buckets import owner_of
 from .clip import _TO_TORCH, _check_all, _check_writable_all, _grads, _parameters, _run_fused, get_total_norm
 from .ops import check_max_norm
@@ -113,25 +114,6 @@ def scale_grads_(grads: list[Tensor], coef: Tensor) -> None:
         with torch.no_grad():
             locals_ = [g.to_local() if D.is_dtensor(g) else g for g in grads]
             torch._foreach_mul_(locals_, coef.to(locals_[0].device))
-
-
-def _check_keys(policy, state: dict, keys: set[str]) -> None:
-    if not isinstance(state, dict):
-        raise TypeError(f"{type(policy).__name__}.load_state_dict: expected a dict, got {type(state).__name__}")
-    if set(state) != keys:
-        missing, extra = sorted(keys - set(state)), sorted(set(state) - keys)
-        raise ValueError(f"{type(policy).__name__}.load_state_dict: missing keys {missing}, unexpected keys {extra}")
-
-
-def _check_config(policy, state: dict) -> None:
-    """A state saved under another configuration would resume a different rule: refuse it."""
-    saved, mine = state["config"], policy._config()
-    for key, value in mine.items():
-        if saved.get(key) != value:
-            raise ValueError(
-                f"{type(policy).__name__}.load_state_dict: {key} is {value!r} here but {saved.get(key)!r} "
-                "in the saved state"
-            )
 
 
 def _state_tensor(policy, state: dict, key: str, shape: tuple, dtype: torch.dtype) -> Tensor:
