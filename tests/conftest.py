@@ -35,3 +35,21 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     """Fresh but reproducible random inputs per test (the seed is printed on failure by pytest -ra)."""
     torch.manual_seed(int.from_bytes(os.urandom(4), "little") if os.environ.get("GRADFUSE_RANDOM_SEED") else 0)
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_TRITON = pytest.param("triton", marks=pytest.mark.skipif(not _INTERPRETED, reason="needs TRITON_INTERPRET=1"))
+
+
+@pytest.fixture(params=["rust", _TRITON])
+def backend(request, monkeypatch):
+    """Each test on the Rust core and on the Triton kernels (under the interpreter here, with
+    chunks and blocks shrunk so that small inputs cross their edges)."""
+    monkeypatch.setenv("GRADFUSE_BACKEND", request.param)
+    if request.param == "triton":
+        from gradfuse.kernels import _chunk_table as ct
+
+        monkeypatch.setattr(ct, "CHUNK", 64)
+        monkeypatch.setattr(ct, "BLOCK", 16)
+        monkeypatch.setattr(ct, "FBLOCK", 4)
+    return request.param

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
+from dist_scenarios import Net  # head registered first but used last; extra when asked; never never
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -30,25 +31,6 @@ from gradfuse.ddp_hook import state_for
 NORM_RTOL = 2e-6
 #: A small bucket cap (in MB), so that the test models span several buckets.
 SMALL_CAP = 0.002
-
-
-class Net(nn.Module):
-    """Registration order differs from use order (``head`` first, used last); ``extra`` is used
-    only when asked, ``never`` never."""
-
-    def __init__(self, d: int = 24, unused: bool = False):
-        super().__init__()
-        self.head = nn.Linear(d, 8)
-        self.body = nn.Sequential(nn.Linear(16, d), nn.LayerNorm(d), nn.Tanh(), nn.Linear(d, d))
-        if unused:
-            self.extra = nn.Linear(d, d)
-            self.never = nn.Linear(d, 3)
-
-    def forward(self, x, use_extra=False):
-        h = self.body(x)
-        if use_extra:
-            h = h + self.extra(h)
-        return self.head(h)
 
 
 def batch(rank: int, step: int, n: int = 6) -> torch.Tensor:

@@ -25,22 +25,6 @@ import torch
 
 import gradfuse
 from gradfuse.agc import AGC, adaptive_clip_grad_
-from gradfuse.kernels import _chunk_table as ct
-
-BACKENDS = [
-    "rust",
-    pytest.param("triton", marks=pytest.mark.skipif(not ct.INTERPRET, reason="needs TRITON_INTERPRET=1")),
-]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("GRADFUSE_BACKEND", request.param)
-    if request.param == "triton":
-        monkeypatch.setattr(ct, "CHUNK", 64)
-        monkeypatch.setattr(ct, "BLOCK", 16)
-        monkeypatch.setattr(ct, "FBLOCK", 4)
-    return request.param
 
 
 def timm_agc():

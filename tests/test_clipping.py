@@ -24,20 +24,9 @@ from zclip import ZClip as ReferenceZClip
 
 import gradfuse
 from gradfuse.clipping import AutoClip, NormClip, ZClip, make_policy
-from gradfuse.kernels import _chunk_table as ct
 
 RTOL = 1e-5
 SPIKES = (9, 14, 15, 23)
-BACKENDS = [
-    "rust",
-    pytest.param("triton", marks=pytest.mark.skipif(not ct.INTERPRET, reason="needs TRITON_INTERPRET=1")),
-]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("GRADFUSE_BACKEND", request.param)
-    return request.param
 
 
 def model():

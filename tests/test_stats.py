@@ -7,9 +7,9 @@ torch's ``get_total_norm`` rule for the total), ``abs().amax()`` and ``~isfinite
 
 Tolerances, and why: norms as in ``reference.py`` (2e-6 relative below float64, 1e-12 for
 float64); the largest magnitude is a value the tensor holds, widened exactly to the output
-dtype: compared for equality; counts are exact. The norms must also equal, bit for bit, those
-of ``multi_tensor_norm(per_tensor=True)`` on the same backend: the same partials, reduced in
-the same order.
+dtype: compared for equality; counts are exact. The norms must also equal those of
+``multi_tensor_norm(per_tensor=True)`` on the same backend: bit for bit on the Rust core (the
+same partials, reduced in the same order), within rounding on Triton (smaller blocks).
 """
 
 from __future__ import annotations
@@ -23,24 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradfuse
-from gradfuse.kernels import _chunk_table as ct
 from reference import EDGE_SIZES, FLOAT_DTYPES, close, ref_norms, rtol, same_bits
 
 TRITON_EDGES = (1, 15, 16, 17, 63, 64, 65, 145)
-BACKENDS = [
-    "rust",
-    pytest.param("triton", marks=pytest.mark.skipif(not ct.INTERPRET, reason="needs TRITON_INTERPRET=1")),
-]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("GRADFUSE_BACKEND", request.param)
-    if request.param == "triton":
-        monkeypatch.setattr(ct, "CHUNK", 64)
-        monkeypatch.setattr(ct, "BLOCK", 16)
-        monkeypatch.setattr(ct, "FBLOCK", 4)
-    return request.param
 
 
 def sizes_for(backend: str):
