@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 
 import torch
 
@@ -42,7 +43,20 @@ def _use_torchs_threads() -> bool:
 _use_torchs_threads()
 
 
+#: Threads whose OpenMP setting follows torch's (see :func:`_tensor_list`).
+_THREAD = threading.local()
+
+
 def _tensor_list(plan: Plan) -> _rust.TensorList:
+    if not hasattr(_THREAD, "synced"):
+        # torch.set_num_threads sets OpenMP's thread count for the calling thread; torch gives
+        # every other thread the same setting lazily, at its first parallel op. A thread whose
+        # first parallel work is gradfuse's (DDP's communication thread running the hook's pass)
+        # would run it on a team of the runtime's default size (every core), oversubscribing
+        # the cores beside torch's own threads: 3-8% on the 2-rank DDP step (bench ddp).
+        # torch.get_num_threads() makes torch set it, once per thread.
+        torch.get_num_threads()
+        _THREAD.synced = True
     # A writable list is checked for overlapping tensors here, before any kernel of the call.
     return _rust.TensorList(plan.name, plan.addrs, plan.numels, plan.codes, plan.inplace)
 
