@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or (3 if args.quick else 5)
     state = gpt2_state(64, 1024) if args.quick else gpt2_state(768, 50257)
     values = sum(t.numel() for t in state["model"].values()) * 3
+    if args.dir is not None:
+        os.makedirs(args.dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
         path = Path(folder, "checkpoint.pt")
         times: dict[str, list[float]] = {"save": [], "save_no_crc": [], "verify": [], "load": []}
