@@ -154,17 +154,29 @@ def unscale_check_norm(plan, inv_scale: torch.Tensor, norm_type: float):
     return total, found
 
 
-def unscale_and_clip_(plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, max_norm: float, norm_type: float):
-    """Read-only unscale+check+norm pass, then one write pass by ``inv_scale * clip_coef(norm)``
-    (skipped when that product is exactly 1); returns the norm of the unscaled tensors."""
+def _measure_then_scale(plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, norm_type: float, scale):
+    """The read-only unscale+check+norm pass, then ``scale(table, total)``, the write pass;
+    returns the norm of the unscaled tensors."""
     if len(plan) == 0:
         return _empty_norm(plan, False)[0]
     table = chunk_table([plan])
     total = torch.empty((), dtype=plan.out_dtype, device=plan.device)
     plan.before_write(found_inf)
     _norm.multi_tensor_norm(table, norm_type, total, None, inv_scale, found_inf, _norm.FOUND_SET)
-    _scale.multi_tensor_scale_(table, _scale.UNSCALE_CLIP, total, max_norm, inv_scale)
+    scale(table, total)
     return total
+
+
+def unscale_and_clip_(plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, max_norm: float, norm_type: float):
+    """Read-only unscale+check+norm pass, then one write pass by ``inv_scale * clip_coef(norm)``
+    (skipped when that product is exactly 1); returns the norm of the unscaled tensors."""
+    return _measure_then_scale(
+        plan,
+        inv_scale,
+        found_inf,
+        norm_type,
+        lambda table, total: _scale.multi_tensor_scale_(table, _scale.UNSCALE_CLIP, total, max_norm, inv_scale),
+    )
 
 
 def unscale_norm_(plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, norm_type: float):
@@ -172,14 +184,13 @@ def unscale_norm_(plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, norm_t
     to 1.0 if any ``x`` was inf or NaN. Two launches (a read-only norm pass, then the write):
     the DDP hook takes this path only for gloo on CUDA; with NCCL the all-reduce averages and
     the hook's pass is read-only."""
-    if len(plan) == 0:
-        return _empty_norm(plan, False)[0]
-    table = chunk_table([plan])
-    total = torch.empty((), dtype=plan.out_dtype, device=plan.device)
-    plan.before_write(found_inf)
-    _norm.multi_tensor_norm(table, norm_type, total, None, inv_scale, found_inf, _norm.FOUND_SET)
-    _scale.multi_tensor_scale_(table, _scale.SCALE, inv_scale)
-    return total
+    return _measure_then_scale(
+        plan,
+        inv_scale,
+        found_inf,
+        norm_type,
+        lambda table, total: _scale.multi_tensor_scale_(table, _scale.SCALE, inv_scale),
+    )
 
 
 def accumulate_(dst, src, alpha: float) -> None:

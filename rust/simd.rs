@@ -48,6 +48,30 @@ mod avx2 {
         }
     }
 
+    /// A block's four row sums (32 f32 lanes) into the f64 accumulators: lanes 8k..8k+8 fold
+    /// into accumulators (8k..8k+8) % 16, the order the portable loop uses.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn fold(part: &[__m256; 4], acc: &mut [__m256d; 4]) {
+        for (k, lane) in part.iter().enumerate() {
+            let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(*lane));
+            let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(*lane));
+            acc[(2 * k) % 4] = _mm256_add_pd(acc[(2 * k) % 4], lo);
+            acc[(2 * k + 1) % 4] = _mm256_add_pd(acc[(2 * k + 1) % 4], hi);
+        }
+    }
+
+    /// The 16 f64 accumulators as an array.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn unpack(acc: &[__m256d; 4]) -> [f64; 16] {
+        let mut out = [0f64; 16];
+        for (k, a) in acc.iter().enumerate() {
+            _mm256_storeu_pd(out.as_mut_ptr().add(4 * k), *a);
+        }
+        out
+    }
+
     /// The 16 f64 accumulators and the inf/NaN flag after every whole block of `xs` (whose length
     /// must be a multiple of [`BLOCK`]); with `UNSCALE`, terms are of `u = x * inv` formed in f32.
     ///
@@ -114,17 +138,9 @@ mod avx2 {
                     *lane = if row == 0 { t } else { _mm256_add_ps(*lane, t) };
                 }
             }
-            for (k, lane) in part.iter().enumerate() {
-                let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(*lane));
-                let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(*lane));
-                acc[(2 * k) % 4] = _mm256_add_pd(acc[(2 * k) % 4], lo);
-                acc[(2 * k + 1) % 4] = _mm256_add_pd(acc[(2 * k + 1) % 4], hi);
-            }
+            fold(&part, &mut acc);
         }
-        let mut out = [0f64; 16];
-        for (k, a) in acc.iter().enumerate() {
-            _mm256_storeu_pd(out.as_mut_ptr().add(4 * k), *a);
-        }
+        let out = unpack(&acc);
         let mut maxes = [0f32; 8];
         _mm256_storeu_ps(maxes.as_mut_ptr(), amax);
         let mut counts = [0i32; 8];
@@ -172,18 +188,9 @@ mod avx2 {
                     *lane = if row == 0 { t } else { _mm256_add_ps(*lane, t) };
                 }
             }
-            // Lanes 8k..8k+8 of the row sums fold into accumulators (8k..8k+8) % 16.
-            for (k, lane) in part.iter().enumerate() {
-                let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(*lane));
-                let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(*lane));
-                acc[(2 * k) % 4] = _mm256_add_pd(acc[(2 * k) % 4], lo);
-                acc[(2 * k + 1) % 4] = _mm256_add_pd(acc[(2 * k + 1) % 4], hi);
-            }
+            fold(&part, &mut acc);
         }
-        let mut out = [0f64; 16];
-        for (k, a) in acc.iter().enumerate() {
-            _mm256_storeu_pd(out.as_mut_ptr().add(4 * k), *a);
-        }
+        let out = unpack(&acc);
         (out, _mm256_movemask_ps(bad) != 0)
     }
 }
