@@ -17,6 +17,11 @@ pytestmark = [
 SCENARIOS = [
     "fsdp_matches_ddp_and_one_process_fp32",
     "fsdp_matches_ddp_and_one_process_bf16",
+    "fsdp_matches_ddp_fp16_with_loss_scaling",
+    "clip_norm_equals_torch_on_the_same_fsdp_model",
+    "communication_only_on_the_last_micro_step",
+    "an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank",
+    "bad_settings_raise_before_anything_is_sharded",
 ]
 
 
