@@ -281,3 +281,26 @@ def bad_settings_raise_before_anything_is_sharded(rank, world):
         else:
             raise AssertionError(f"no error for {message}")
         assert not any(isinstance(p, DTensor) for p in net.parameters()), message
+
+
+def clip_policies_and_order_0_match_ddp(rank, world):
+    """ZClip and AutoClip (the total norm through the DTensor path, the policy's coefficient
+    folded into fused AdamW), and order 0 (a count of non-zero gradients: no loss scale
+    changes it), give DDP's numbers."""
+    cases = [
+        dict(max_grad_norm=None, clip="zclip", clip_options={"warmup_steps": 1, "max_grad_norm": None}),
+        dict(max_grad_norm=None, clip="autoclip"),
+        dict(norm_type=0.0, max_grad_norm=2.0),
+        dict(norm_type=0.0, max_grad_norm=2.0, precision="fp16"),
+    ]
+    for case in cases:
+        precision = case.pop("precision", "fp32")
+        _, rows, weights = train("fsdp", precision, rank, world, **case)
+        _, ddp_rows, ddp_weights = train("ddp", precision, rank, world, **case)
+        for key in ("loss", "grad_norm", "clip_coef"):
+            mine, theirs = [r[key] for r in rows], [r[key] for r in ddp_rows]
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=0, msg=f"{key} {case}")
+        if case.get("norm_type") == 0:
+            assert all(r["clip_coef"] < 1 for r in rows), rows  # 8 non-zero tensors, clipped to 2
+        for a, b in zip(weights, ddp_weights, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=str(case))
