@@ -111,8 +111,9 @@ class Trainer:
     objects with some of ``on_step_end(row)``, ``on_eval(row)``, ``on_save(path)``.
 
     Under ``torchrun`` (or with a default process group already made) it trains data-parallel:
-    each rank on its own ``train_data``, gradients averaged through ``gradfuse.GradBuckets``,
-    communication on the last micro-step only, and rank 0 alone writes checkpoints and metrics.
+    each rank on its own ``train_data``, gradients averaged through DDP and gradfuse's hook (or,
+    with ``config.parallel="fsdp"``, the model sharded by FSDP2: ``fsdp.py``), communication on
+    the last micro-step only, and rank 0 alone writes checkpoints and metrics.
     """
 
     def __init__(
