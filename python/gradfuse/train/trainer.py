@@ -380,7 +380,7 @@ class Trainer:
         for indices in by_device.values():
             _, per_tensor = multi_tensor_norm([grads[i] for i in indices], per_tensor=True)
             bad[indices] = (~torch.isfinite(per_tensor)).float().to(self.device)
-        if getattr(self.grads, "sharded", False):
+        if self.grads.sharded:
             dist.all_reduce(bad, dist.ReduceOp.MAX, group=self.world.group)
         return [self.param_names[p] for p, flag in zip(params, bad.tolist(), strict=True) if flag]
 
