@@ -272,13 +272,9 @@ def bad_settings_raise_before_anything_is_sharded(rank, world):
     stepped.step()
     stranger = nn.Linear(2, 2)
     sharded = fully_shard(model())
+    fresh = torch.optim.AdamW(net.parameters())
     cases = [
-        (
-            net,
-            settings(fsdp_units=["Blok"]),
-            torch.optim.AdamW(net.parameters()),
-            r"fsdp_units names \['Blok'\].*Block",
-        ),
+        (net, settings(fsdp_units=["Blok"]), fresh, r"fsdp_units names \['Blok'\].*Block"),
         (net, settings(), stepped, "optimizer already has state"),
         (net, settings(), torch.optim.AdamW([*net.parameters(), stranger.weight]), r"param_groups\[0\].*\(2, 2\)"),
         (net, settings(cpu_offload=True), fresh, "TrainConfig.cpu_offload.*cpu"),
