@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from ..ops import multi_tensor_norm
 from ..scaler import GradScaler
 from . import checkpoint
 from . import resume as resuming
+from .attribution import NonfiniteAttribution, describe
 from .callbacks import Callbacks
 from .config import TrainConfig
 from .data import BatchStream, batch_size, to_device, token_count
@@ -179,6 +179,10 @@ class Trainer:
         self.spikes_skipped = 0
         self.clip_policy = clip_policy(config)  # None: the fixed max_grad_norm
         self.probe: LayerStatsProbe | None = None  # per-module statistics of this step (log steps)
+        # Which parameters and ranks held inf/NaN on an overflow step (attribution.py).
+        self.nonfinite = NonfiniteAttribution(
+            model, self.device, getattr(self.world, "group", None), self.world.world_size
+        )
 
         self.step = 0  # optimizer steps done
         self.skipped = 0  # steps skipped because the gradients overflowed
@@ -201,6 +205,7 @@ class Trainer:
         (``step``, ``loss``, ``lr``, ``grad_norm``, ``clip_coef``, ``skipped``, ...). The model
         is trained in whatever mode it is in (``fit`` puts it in training mode)."""
         self.grads.zero_grad()
+        self.nonfinite.start_step()
         loss, samples, tokens, divisor = self._forward_backward()
         grad_norm, found_inf = self._unscale_and_clip(divisor)
         # A stop signal rides the loss's all-reduce: every rank stops after the same step.
@@ -237,10 +242,11 @@ class Trainer:
         else:
             self.nan_streak = 0
             self.spikes_skipped += bool(spiked)
-            if overflow and not spiked:
-                self.skipped += 1
-                row["nonfinite_grads"] = self._nonfinite_grad_names()
+            self.skipped += bool(overflow and not spiked)
             self.scaler.step(self.optimizer)  # skips itself on overflow
+            if overflow and not spiked:  # before update(): a recompute scales its losses as this step did
+                row.update(self.nonfinite.report(self.step + 1, self._rerun_locally, self.net, self.grads.zero_grad))
+        self.nonfinite.end_step()
         self.scaler.update()
         with warnings.catch_warnings():
             # A skipped first step is intended; torch would warn that the schedule moved first.
@@ -276,21 +282,21 @@ class Trainer:
         target_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         samples, tokens, reduction = 0, 0, None
         for micro in range(cfg.grad_accum_steps):
-            batch = to_device(self.batches.next(), self.device)
+            batch = self.batches.next()
+            self.nonfinite.keep(batch)  # kept for a recompute of an overflow step
+            batch = to_device(batch, self.device)
             samples, tokens = samples + batch_size(batch), tokens + (token_count(batch) or 0)
             last = micro == cfg.grad_accum_steps - 1
             with contextlib.nullcontext() if last else self.grads.no_sync():
-                with self._autocast():
-                    micro_loss, count = self._loss(self.loss_fn(self.net, batch))
+                micro_loss, count = self._micro_loss(batch)
                 if by_tokens:
                     target_tokens += count
                     if last and self.world.world_size > 1:  # overlaps the last backward
                         group = getattr(self.world, "group", None)
                         reduction = dist.all_reduce(target_tokens, group=group, async_op=True)
-                else:
-                    micro_loss = micro_loss / cfg.grad_accum_steps
                 self.scaler.scale(micro_loss).backward()
             loss += micro_loss.detach().float()
+        self.nonfinite.step_loss = loss
         if not by_tokens:
             return loss, samples, tokens, None
         if reduction is not None:
@@ -298,6 +304,26 @@ class Trainer:
         world = self.world.world_size
         # The loss this rank reports: its share of the global token mean (the ranks' mean is the mean).
         return loss * world / target_tokens, samples, tokens, (target_tokens / world).float()
+
+    def _micro_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """A micro-batch's forward: (the loss to backpropagate, its target tokens)."""
+        with self._autocast():
+            loss, count = self._loss(self.loss_fn(self.net, batch))
+        if self.config.loss_normalization == "mean":
+            loss = loss / self.config.grad_accum_steps
+        return loss, count
+
+    def _rerun_locally(self, batches: list) -> torch.Tensor:
+        """The step's micro-batches again on this rank alone (``no_sync``: no gradient
+        communication), for the attribution of an overflow step; returns their summed loss, as
+        ``_forward_backward`` adds it up."""
+        loss = torch.zeros((), device=self.device)
+        with self.grads.no_sync():
+            for batch in batches:
+                micro_loss, _ = self._micro_loss(to_device(batch, self.device))
+                self.scaler.scale(micro_loss).backward()
+                loss += micro_loss.detach().float()
+        return loss
 
     def _loss(self, output) -> tuple[torch.Tensor, torch.Tensor | int]:
         """``loss_fn``'s result as (loss, target tokens): the tokens are those ``loss_fn``
@@ -363,19 +389,6 @@ class Trainer:
     def _autocast(self):
         dtype = AUTOCAST_DTYPES.get(self.config.precision)
         return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
-
-    def _nonfinite_grad_names(self) -> list[str]:
-        """The parameters whose gradients hold inf or NaN, from the per-tensor norms."""
-        by_device: dict[torch.device, list[torch.nn.Parameter]] = {}
-        for p in self.param_names:
-            if p.grad is not None:
-                by_device.setdefault(p.grad.device, []).append(p)
-        names = []
-        for params in by_device.values():
-            _, per_tensor = multi_tensor_norm([p.grad for p in params], per_tensor=True)
-            finite = torch.isfinite(per_tensor).tolist()
-            names += [self.param_names[p] for p, ok in zip(params, finite, strict=True) if not ok]
-        return names
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -465,9 +478,8 @@ class Trainer:
                 f"step {row['step']}: the loss is {row['loss']}; step skipped "
                 f"({self.nan_streak} in a row, training stops at {self.config.max_nan_losses})"
             )
-        names = row["nonfinite_grads"]
-        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        return f"step {row['step']}: gradients overflowed (inf/NaN) in {shown}; step skipped"
+        note = f" ({row['nonfinite_note']})" if row.get("nonfinite_note") else ""
+        return f"step {row['step']}: gradients overflowed (inf/NaN) in {describe(row)}; step skipped{note}"
 
     @torch.no_grad()
     def evaluate(self) -> float:
