@@ -211,7 +211,7 @@ def fsdp2_shards_report_the_ranks_that_hold_them(rank, world):
         assert [r for r, h in enumerate(held) if h.item()] == report.get(name, []), name
     attribution = NonfiniteAttribution(net, torch.device("cpu"), None, world)
     assert not attribution.recompute  # DTensor parameters: the shards tell, nothing is recomputed
-    row = attribution.report(1, rerun=None, module=net, zero_grad=None)
+    row = attribution.report(1)
     assert row["nonfinite_grads"] == ["body.0.weight", "body.0.bias"] and row["nonfinite_ranks"] == report, row
     assert "shards" in row["nonfinite_note"]
     for (_, grad), saved in zip(named, before, strict=True):  # nothing changed

@@ -37,7 +37,6 @@ is reported as not reproduced, and no rank is named.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -187,11 +186,12 @@ class NonfiniteAttribution:
 
     # --- a flagged step ----------------------------------------------------------------------------
 
-    def report(self, step: int, rerun: Callable[[list], Tensor], module, zero_grad: Callable[[], None]) -> dict:
+    def report(self, step: int, rerun: Callable[[list], Tensor] | None = None, module=None) -> dict:
         """The row's ``nonfinite_*`` fields for ``step``. ``rerun(batches)`` runs the micro-steps
-        on this rank alone and returns its summed loss (the Trainer's); ``module`` is what
-        forward calls go through (DDP's wrapper); ``zero_grad`` clears the gradients. Every rank
-        calls it on the same step."""
+        on this rank alone and returns its summed loss (the Trainer's; needed when
+        ``self.recompute``); ``module`` is what forward calls go through (DDP's wrapper). Every
+        rank calls it on the same step. Under a recompute the gradients are cleared (set to
+        None) afterwards: the step's reduced ones are gone by then."""
         names = [n for n, _ in self.named]
         step_counts = nonfinite_counts([p.grad for _, p in self.named])
         if not self.recompute:  # one process, or DTensor shards: the gradients at hand tell
@@ -208,7 +208,7 @@ class NonfiniteAttribution:
             return row
         # Data parallel: the step's gradients are the reduced ones, alike on every rank.
         flagged = [n for n, c in zip(names, step_counts.tolist(), strict=True) if c > 0]
-        local, reproduced, error = self._recompute(rerun, module, zero_grad)
+        local, reproduced, error = self._recompute(rerun, module)
         gathered = _gather(torch.cat([local, reproduced.reshape(1)]), self.group).tolist()
         row = {"nonfinite_grads": flagged}
         failed = [r for r, g in enumerate(gathered) if g[-1] == 0]
@@ -235,7 +235,12 @@ class NonfiniteAttribution:
             )
         return row
 
-    def _recompute(self, rerun, module, zero_grad) -> tuple[Tensor, Tensor, str | None]:
+    def _clear_grads(self) -> None:
+        # Every parameter's, not only the optimizer's: a recompute must start from nothing.
+        for _, p in self.named:
+            p.grad = None
+
+    def _recompute(self, rerun, module) -> tuple[Tensor, Tensor, str | None]:
         """(this rank's local non-finite counts, 1 if the recompute reproduced the step's loss
         else 0, the error if it raised). Leaves the buffers, the random state and DDP's buffer
         sync as they were, and the gradients cleared. Never raises: the other ranks are waiting
@@ -251,7 +256,7 @@ class NonfiniteAttribution:
             if self._rng is None or self.step_loss is None:
                 raise RuntimeError("the step's micro-batches were not recorded")
             _set_rng_states(self._rng, self.device)
-            zero_grad()
+            self._clear_grads()
             loss = rerun(self._batches)
             counts = nonfinite_counts([p.grad for _, p in self.named]).to(self.device)
             reproduced = bool(torch.equal(loss, self.step_loss))
@@ -264,8 +269,7 @@ class NonfiniteAttribution:
             _set_rng_states(now, self.device)
             if sync is not None:
                 module.require_forward_param_sync = sync
-            with contextlib.suppress(Exception):
-                zero_grad()
+            self._clear_grads()
         return counts, torch.tensor(float(reproduced), device=self.device).long(), error
 
 

@@ -245,7 +245,7 @@ class Trainer:
             self.skipped += bool(overflow and not spiked)
             self.scaler.step(self.optimizer)  # skips itself on overflow
             if overflow and not spiked:  # before update(): a recompute scales its losses as this step did
-                row.update(self.nonfinite.report(self.step + 1, self._rerun_locally, self.net, self.grads.zero_grad))
+                row.update(self.nonfinite.report(self.step + 1, self._rerun_locally, self.net))
         self.nonfinite.end_step()
         self.scaler.update()
         with warnings.catch_warnings():
