@@ -123,16 +123,31 @@ def ddp_inf_on_rank_1_names_the_parameter_and_rank_1(rank, world):
     assert any(not torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))  # it trains on
 
 
-def ddp_inf_on_both_ranks_names_both(rank, world):
-    """Both ranks poison the same parameter on step 1: ``[0, 1]``; the message names them."""
-    net = model()
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)  # not fused: the scaler's own skip
-    trainer = Trainer(net, opt, batches(rank, (1, 0)), settings(max_steps=1), loss_fn=poisoned_loss)
-    (row,) = trainer.fit()
-    assert row["nonfinite_ranks"] == {POISONED: [0, 1]} and row["nonfinite_grads"] == [POISONED], row
-    assert (
-        trainer._skip_message(row) == f"step 1: gradients overflowed (inf/NaN) in {POISONED} (ranks 0, 1); step skipped"
-    )
+def ddp_inf_on_both_ranks_names_both_and_leaves_no_trace(rank, world):
+    """Both ranks poison the same parameter on step 1 (where DDP then rebuilds its buckets, in
+    the recompute's forward): ``[0, 1]``, and the message names them. Three steps with the
+    recompute end bit for bit where three steps without it do (the weights, the BatchNorm
+    buffers, the random state): it leaves nothing behind."""
+    ends = []
+    for recompute in (True, False):
+        torch.manual_seed(7)  # the same dropout masks in both runs
+        net = model()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)  # not fused: the scaler's own skip
+        trainer = Trainer(net, opt, batches(rank, (1, 0)), settings(max_steps=3), loss_fn=poisoned_loss)
+        trainer.nonfinite.recompute = recompute  # off: the row names no rank, nothing else differs
+        rows = trainer.fit()
+        ends.append(([t.detach().clone() for t in [*net.parameters(), *net.buffers()]], torch.get_rng_state()))
+        if recompute:
+            row = rows[0]
+            assert row["nonfinite_ranks"] == {POISONED: [0, 1]} and row["nonfinite_grads"] == [POISONED], row
+            message = trainer._skip_message(row)
+            want = f"step 1: gradients overflowed (inf/NaN) in {POISONED} (ranks 0, 1); step skipped"
+            assert message == want, message
+            assert [r["skipped"] for r in rows] == [1, 1, 1]
+    (with_it, rng_with), (without, rng_without) = ends
+    assert all(torch.equal(a, b) for a, b in zip(with_it, without, strict=True))
+    assert torch.equal(rng_with, rng_without)
+    assert all_equal_across_ranks(with_it[: len(list(model().parameters()))])
 
 
 def ddp_overflow_in_the_reduction_is_said_so(rank, world):

@@ -17,7 +17,7 @@ from gradfuse.train.attribution import nonfinite_counts, nonfinite_report
 
 SCENARIOS = [
     "ddp_inf_on_rank_1_names_the_parameter_and_rank_1",
-    "ddp_inf_on_both_ranks_names_both",
+    "ddp_inf_on_both_ranks_names_both_and_leaves_no_trace",
     "ddp_overflow_in_the_reduction_is_said_so",
     "ddp_recompute_that_does_not_reproduce_names_no_rank",
     "fsdp2_shards_report_the_ranks_that_hold_them",
