@@ -12,7 +12,8 @@ checkpoints on the way.
 The scaler is a ``gradfuse.GradScaler`` in every precision: enabled (dynamic loss scaling)
 for fp16, disabled for bf16 and fp32, where it still clips through the optimizer and skips a
 step whose gradients hold inf or NaN. The other parts live next door: ``config``,
-``schedule``, ``checkpoint``, ``data``, ``metrics``, ``distributed``.
+``schedule``, ``checkpoint``, ``data``, ``metrics``, ``distributed``, ``health``, and
+``attribution`` (which parameters and ranks held the inf/NaN of an overflow step).
 """
 
 from __future__ import annotations
