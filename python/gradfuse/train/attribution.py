@@ -84,8 +84,11 @@ def nonfinite_counts(grads: Sequence[Tensor | None]) -> Tensor:
 
 
 def _gather(row: Tensor, group) -> Tensor:
-    """``row`` from every rank of ``group``, stacked (world, len): one all-gather."""
+    """``row`` from every rank of ``group``, stacked (world, len): one all-gather, of a CUDA
+    tensor under NCCL and of a CPU one otherwise (counts of CPU-offloaded gradients, gloo)."""
     world = dist.get_world_size(group)
+    nccl = "nccl" in str(dist.get_backend(group)).lower()
+    row = row.to(torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu"))
     out = [torch.empty_like(row) for _ in range(world)]
     dist.all_gather(out, row.contiguous(), group=group)
     return torch.stack(out)
