@@ -225,7 +225,8 @@ class ZClip(ClipPolicy):
 
     def clip_coef(self, total_norm: Tensor) -> Tensor:
         self._to(total_norm.device)
-        if total_norm.device.type == "cpu" and int(self._count) >= self.warmup_steps:
+        host = total_norm.device.type == "cpu" and not torch.compiler.is_compiling()  # under compile: traceable ops
+        if host and int(self._count) >= self.warmup_steps:
             # On the CPU the norm is in host memory already: the rule in Python floats, the same
             # float64 operations in the same order (bit for bit the tensor path's), instead of
             # some forty 0-d tensor ops (~100-250 us measured, against ~10 us).
