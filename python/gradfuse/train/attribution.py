@@ -15,8 +15,9 @@ Where the gradients come from decides how the ranks are found:
   the ranks named are those whose *shards* hold the inf/NaN (the reduce-scatter summed every
   rank's contribution first, so the rank that produced it is not known).
 - **Data parallel** (DDP): the all-reduce has mixed the ranks, and the local gradients are gone.
-  The step's micro-batches are run again on each rank alone (``no_sync``: no gradient
-  communication), from the step's starting random state and with the step's loss scale (the
+  The step's micro-batches are run again on each rank alone (``no_sync``, and DDP's buffer
+  broadcast off: no communication, except DDP's one-time bucket rebuild when the flagged step is
+  the first, which every rank runs alike), from the step's starting random state and with the step's loss scale (the
   scaler has not updated yet); the local non-finite counts are all-gathered with a flag saying
   whether the recompute reproduced the step's loss, bit for bit. The module buffers, the random
   state and DDP's buffer-sync flag are put back afterwards and the gradients cleared.
@@ -260,6 +261,8 @@ class NonfiniteAttribution:
                 raise RuntimeError("the step's micro-batches were not recorded")
             _set_rng_states(self._rng, self.device)
             self._clear_grads()
+            if sync is not None:  # no buffer broadcast in the recompute: it stays local
+                module.require_forward_param_sync = False
             loss = rerun(self._batches)
             counts = nonfinite_counts([p.grad for _, p in self.named]).to(self.device)
             reproduced = bool(torch.equal(loss, self.step_loss))
