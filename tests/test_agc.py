@@ -1,12 +1,11 @@
 """Adaptive gradient clipping (``gradfuse.agc``) and its two ops (``unit_norms``,
 ``scale_units_``), on the Rust core and on the Triton kernels under the interpreter.
 
-References: timm's ``adaptive_clip_grad``, loaded from the installed timm's ``utils/agc.py``
-file alone. ``import timm.utils.agc`` runs ``timm/__init__``, which needs torchvision, and
-torchvision is not installed here on purpose (installing it can replace torch), so the test
-loads that one file (it imports only torch) when timm is installed; ``timm`` is therefore not in
-the ``test`` extra, and where it is absent that comparison is skipped. Always: the same rule
-written out from timm's documentation in float64 (``reference_agc``), below.
+References: timm's own ``adaptive_clip_grad`` (``timm.utils.agc``; timm and torchvision are in
+the ``test`` extra: torchvision 0.29.2, built for torch 2.14, declares ``torch>=2.14`` and installs
+beside torch 2.15 without replacing it; the extra's upper bound keeps pip from ever choosing a
+torchvision that would pull a newer torch), and always the same rule written out from timm's
+documentation in float64 (``reference_agc``), below.
 
 Tolerances, and why: gradfuse accumulates each unit norm in float64 and rounds it to float32;
 timm's torch fp32 norm differs by a few ulp, which moves the factor by as much: clipped
@@ -16,9 +15,7 @@ are untouched, bit for bit. Unit norms: 2e-6 relative vs float64 (as every fp32 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 
 import pytest
 import torch
@@ -28,14 +25,9 @@ from gradfuse.agc import AGC, adaptive_clip_grad_
 
 
 def timm_agc():
-    spec = importlib.util.find_spec("timm")  # finds the package without running its __init__
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("timm is not installed")
-    path = os.path.join(next(iter(spec.submodule_search_locations)), "utils", "agc.py")
-    module_spec = importlib.util.spec_from_file_location("timm_utils_agc", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.adaptive_clip_grad
+    # Skips only where timm is not installed (outside the test extra); a timm or torchvision
+    # that is installed but broken fails the test.
+    return pytest.importorskip("timm.utils.agc").adaptive_clip_grad
 
 
 def reference_agc(params, clip_factor, eps, norm_type=2.0):

@@ -97,6 +97,34 @@ def test_zclip_arithmetic_is_the_packages_bit_for_bit():
             assert policy._mean.item() == reference.mean and policy._var.item() == reference.var
 
 
+@pytest.mark.parametrize(
+    "config",
+    [*ZCLIP_CONFIGS, {"max_grad_norm": 0.5, "eps": 0.0}, {"max_grad_norm": None, "mode": "percentile", "alpha": 0.5}],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_zclip_on_the_cpu_host_path_is_the_tensor_path_bit_for_bit(config):
+    """On CPU norms after warm-up, ZClip computes its rule in Python floats: the coefficient and
+    the EMA must be the tensor path's bit for bit (float32 and float64 norms, spikes, a repeated
+    norm, an inf and a NaN, which go to the tensor path)."""
+    gen = torch.Generator().manual_seed(3)
+    norms = (1.0 + torch.rand(300, generator=gen, dtype=torch.float64)).tolist()
+    for k in (20, 21, 50, 120, 121, 122, 200):
+        norms[k] *= 10.0 + k
+    norms[60:64] = [norms[59]] * 4  # equal norms: the variance decays toward zero
+    norms[90], norms[91] = math.inf, math.nan
+    host, tensors = ZClip(warmup_steps=5, **config), ZClip(warmup_steps=5, **config)
+    used_host = 0
+    for k, value in enumerate(norms):
+        norm = torch.tensor(value, dtype=torch.float32 if k % 2 else torch.float64)
+        used_host += host._count.item() >= 5 and math.isfinite(value)
+        a = host.clip_coef(norm)
+        b = tensors._clip_coef_tensors(norm)
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), (k, a, b)
+        assert torch.equal(host._mean, tensors._mean) and torch.equal(host._var, tensors._var), k
+        assert torch.equal(host._count, tensors._count) and torch.equal(host.last_coef, tensors.last_coef)
+    assert used_host > 250
+
+
 def test_autoclip_matches_the_autoclip_package(backend):
     ours, ref = model(), model()
     policy = AutoClip(quantile=0.8, history_length=7)

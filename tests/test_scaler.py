@@ -274,3 +274,27 @@ def test_sparse_gradients_take_torchs_path_with_torchs_answer(clip):
         scaler.step(opt)
         scaler.update()
     torch.testing.assert_close(models[1].weight, models[0].weight)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("devices", [1, 2])
+def test_max_norm_inf_clips_nothing_even_on_an_overflow_step(fused, devices):
+    """``max_norm=inf`` (the Trainer's "no clipping"): the gradients of an overflow step are
+    left as they were, unscaled, never multiplied by torch's ``inf / inf = NaN`` coefficient,
+    which would hide which gradients held the inf. The step is skipped all the same."""
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+    params[0].grad = torch.tensor([4.0, math.inf, 8.0])
+    params[1].grad = torch.tensor([4.0, 2.0, 6.0])
+    if devices == 2:  # two groups (fp32 and fp64): the measure-then-scale branch
+        params[1] = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+        params[1].grad = torch.tensor([4.0, 2.0, 6.0], dtype=torch.float64)
+    opt = torch.optim.AdamW(params, lr=0.1, fused=fused)
+    scaler = gradfuse.GradScaler("cpu", init_scale=2.0)
+    scaler.scale(torch.ones(()))  # the scale exists from the first scale() on, as in torch
+    norm = scaler.unscale_and_clip_(opt, math.inf)
+    assert math.isinf(norm.item()) and scaler.found_inf(opt).item() == 1.0
+    unscaled = [[2.0, math.inf, 4.0], [2.0, 1.0, 3.0]] if not fused else [[4.0, math.inf, 8.0], [4.0, 2.0, 6.0]]
+    for p, want in zip(params, unscaled, strict=True):  # fused: unscaled inside the optimizer's read
+        assert p.grad.tolist() == want
+    scaler.step(opt)
+    assert all(not p.detach().any() for p in params)  # skipped

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +90,12 @@ def _takes_grad_scaler(optimizer_type: type) -> bool:
 
 def clip_coef(total_norm: Tensor, max_norm: float) -> Tensor:
     """``min(max_norm / (total_norm + 1e-6), 1)`` on the norm's device, as torch computes it
-    (its ``number / tensor`` is ``tensor.reciprocal() * number``), in three C++ calls."""
+    (its ``number / tensor`` is ``tensor.reciprocal() * number``), in three C++ calls.
+    ``max_norm=inf`` clips nothing: 1, also for an infinite norm, where torch's rule gives
+    ``inf / inf = NaN`` and would turn every gradient of the (skipped) step into NaN, hiding which
+    ones held the inf (the Trainer names them)."""
+    if max_norm == math.inf:
+        return torch.ones((), dtype=total_norm.dtype, device=total_norm.device)
     return (total_norm + EPS).reciprocal_().mul_(max_norm).clamp_(max=1.0)
 
 
@@ -264,7 +270,8 @@ class GradScaler(torch.amp.GradScaler):
             with torch.no_grad():
                 _check_all(groups)
                 folds = _folds(optimizer)
-                if folds or len(groups) > 1:
+                # max_norm=inf: the coefficient is 1 (clip_coef); the in-place op would apply torch's NaN.
+                if folds or len(groups) > 1 or max_norm == math.inf:
                     total, found, coef = self._measure(groups, inv_scale, max_norm, norm_type)
                     if folds:
                         grad_scale = (scale / coef).float()

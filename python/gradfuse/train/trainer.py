@@ -12,7 +12,8 @@ checkpoints on the way.
 The scaler is a ``gradfuse.GradScaler`` in every precision: enabled (dynamic loss scaling)
 for fp16, disabled for bf16 and fp32, where it still clips through the optimizer and skips a
 step whose gradients hold inf or NaN. The other parts live next door: ``config``,
-``schedule``, ``checkpoint``, ``data``, ``metrics``, ``distributed``.
+``schedule``, ``checkpoint``, ``data``, ``metrics``, ``distributed``, ``health``, and
+``attribution`` (which parameters and ranks held the inf/NaN of an overflow step).
 """
 
 from __future__ import annotations
@@ -33,15 +34,14 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from ..ops import multi_tensor_norm
 from ..scaler import GradScaler
 from . import checkpoint
 from . import resume as resuming
+from .attribution import NonfiniteAttribution, describe
 from .callbacks import Callbacks
 from .config import TrainConfig
 from .data import BatchStream, batch_size, to_device, token_count
 from .distributed import connect, training_device
-from .fsdp import local_shard
 from .health import LayerStatsProbe, SpikeSkipper, clip_policy, module_prefix
 from .interrupt import StopSignals, TrainingInterrupted
 from .metrics import Metrics, Throughput, check_tensorboard, peak_memory_mb
@@ -183,6 +183,10 @@ class Trainer:
         self.spikes_skipped = 0
         self.clip_policy = clip_policy(config)  # None: the fixed max_grad_norm
         self.probe: LayerStatsProbe | None = None  # per-module statistics of this step (log steps)
+        # Which parameters and ranks held inf/NaN on an overflow step (attribution.py).
+        self.nonfinite = NonfiniteAttribution(
+            model, self.device, getattr(self.world, "group", None), self.world.world_size
+        )
 
         self.step = 0  # optimizer steps done
         self.skipped = 0  # steps skipped because the gradients overflowed
@@ -205,6 +209,7 @@ class Trainer:
         (``step``, ``loss``, ``lr``, ``grad_norm``, ``clip_coef``, ``skipped``, ...). The model
         is trained in whatever mode it is in (``fit`` puts it in training mode)."""
         self.grads.zero_grad()
+        self.nonfinite.start_step()
         loss, samples, tokens, divisor = self._forward_backward()
         grad_norm, found_inf = self._unscale_and_clip(divisor)
         # A stop signal rides the loss's all-reduce: every rank stops after the same step.
@@ -241,10 +246,11 @@ class Trainer:
         else:
             self.nan_streak = 0
             self.spikes_skipped += bool(spiked)
-            if overflow and not spiked:
-                self.skipped += 1
-                row["nonfinite_grads"] = self._nonfinite_grad_names()
+            self.skipped += bool(overflow and not spiked)
             self.scaler.step(self.optimizer)  # skips itself on overflow
+            if overflow and not spiked:  # before update(): a recompute scales its losses as this step did
+                row.update(self.nonfinite.report(self.step + 1, self._rerun_locally, self.net))
+        self.nonfinite.end_step()
         self.scaler.update()
         with warnings.catch_warnings():
             # A skipped first step is intended; torch would warn that the schedule moved first.
@@ -280,21 +286,21 @@ class Trainer:
         target_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         samples, tokens, reduction = 0, 0, None
         for micro in range(cfg.grad_accum_steps):
-            batch = to_device(self.batches.next(), self.device)
+            batch = self.batches.next()
+            self.nonfinite.keep(batch)  # kept for a recompute of an overflow step
+            batch = to_device(batch, self.device)
             samples, tokens = samples + batch_size(batch), tokens + (token_count(batch) or 0)
             last = micro == cfg.grad_accum_steps - 1
             with contextlib.nullcontext() if last else self.grads.no_sync():
-                with self._autocast():
-                    micro_loss, count = self._loss(self.loss_fn(self.net, batch))
+                micro_loss, count = self._micro_loss(batch)
                 if by_tokens:
                     target_tokens += count
                     if last and self.world.world_size > 1:  # overlaps the last backward
                         group = getattr(self.world, "group", None)
                         reduction = dist.all_reduce(target_tokens, group=group, async_op=True)
-                else:
-                    micro_loss = micro_loss / cfg.grad_accum_steps
                 self.scaler.scale(micro_loss).backward()
             loss += micro_loss.detach().float()
+        self.nonfinite.step_loss = loss
         if not by_tokens:
             return loss, samples, tokens, None
         if reduction is not None:
@@ -302,6 +308,26 @@ class Trainer:
         world = self.world.world_size
         # The loss this rank reports: its share of the global token mean (the ranks' mean is the mean).
         return loss * world / target_tokens, samples, tokens, (target_tokens / world).float()
+
+    def _micro_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """A micro-batch's forward: (the loss to backpropagate, its target tokens)."""
+        with self._autocast():
+            loss, count = self._loss(self.loss_fn(self.net, batch))
+        if self.config.loss_normalization == "mean":
+            loss = loss / self.config.grad_accum_steps
+        return loss, count
+
+    def _rerun_locally(self, batches: list) -> torch.Tensor:
+        """The step's micro-batches again on this rank alone (``no_sync``: no gradient
+        communication), for the attribution of an overflow step; returns their summed loss, as
+        ``_forward_backward`` adds it up."""
+        loss = torch.zeros((), device=self.device)
+        with self.grads.no_sync():
+            for batch in batches:
+                micro_loss, _ = self._micro_loss(to_device(batch, self.device))
+                self.scaler.scale(micro_loss).backward()
+                loss += micro_loss.detach().float()
+        return loss
 
     def _loss(self, output) -> tuple[torch.Tensor, torch.Tensor | int]:
         """``loss_fn``'s result as (loss, target tokens): the tokens are those ``loss_fn``
@@ -367,22 +393,6 @@ class Trainer:
     def _autocast(self):
         dtype = AUTOCAST_DTYPES.get(self.config.precision)
         return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
-
-    def _nonfinite_grad_names(self) -> list[str]:
-        """The parameters whose gradients hold inf or NaN, from the per-tensor norms (under
-        FSDP2: of each rank's shards, then agreed across the ranks)."""
-        params = [p for p in self.param_names if p.grad is not None]
-        grads = [local_shard(p.grad) for p in params]
-        by_device: dict[torch.device, list[int]] = {}
-        for i, g in enumerate(grads):
-            by_device.setdefault(g.device, []).append(i)
-        bad = torch.zeros(len(params), device=self.device)
-        for indices in by_device.values():
-            _, per_tensor = multi_tensor_norm([grads[i] for i in indices], per_tensor=True)
-            bad[indices] = (~torch.isfinite(per_tensor)).float().to(self.device)
-        if self.grads.sharded:
-            dist.all_reduce(bad, dist.ReduceOp.MAX, group=self.world.group)
-        return [self.param_names[p] for p, flag in zip(params, bad.tolist(), strict=True) if flag]
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -472,9 +482,8 @@ class Trainer:
                 f"step {row['step']}: the loss is {row['loss']}; step skipped "
                 f"({self.nan_streak} in a row, training stops at {self.config.max_nan_losses})"
             )
-        names = row["nonfinite_grads"]
-        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        return f"step {row['step']}: gradients overflowed (inf/NaN) in {shown}; step skipped"
+        note = f" ({row['nonfinite_note']})" if row.get("nonfinite_note") else ""
+        return f"step {row['step']}: gradients overflowed (inf/NaN) in {describe(row)}; step skipped{note}"
 
     @torch.no_grad()
     def evaluate(self) -> float:
