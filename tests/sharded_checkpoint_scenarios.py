@@ -1,0 +1,228 @@
+"""Scenarios for sharded checkpoints (``gradfuse.train.sharded_checkpoint``) on every rank of a
+2-rank gloo process group, run by ``tests/test_sharded_checkpoint.py`` through
+``tests/multiprocess.py``. Each takes ``(rank, world)`` and raises on failure.
+
+The model is sharded by FSDP2 (``fully_shard`` on each linear layer, then the root), so its
+parameters and AdamW moments are DTensors with a shard on each rank. The reference for
+"loaded exactly" is the full (unsharded) tensors gathered at the save, compared bit for bit.
+Folders both ranks and the pytest process share are named by ``shared_folder``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from gradfuse.train import checkpoint, sharded_checkpoint
+
+STEPS = 3
+
+
+def shared_folder(name: str, pytest_pid: int | None = None) -> Path:
+    """A folder the two ranks and their parent (the pytest process) name the same way."""
+    return Path(tempfile.gettempdir(), f"gradfuse-sharded-{pytest_pid or os.getppid()}", name)
+
+
+def model(shard: bool) -> nn.Module:
+    torch.manual_seed(0)  # the same initial weights on every rank
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 7), nn.Tanh(), nn.Linear(7, 3))
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(net)
+    return net
+
+
+def train(net: nn.Module, steps: int, seed: int) -> torch.optim.Optimizer:
+    """A few AdamW steps on data that differs per ``seed`` (so the moments are not zero)."""
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        net(torch.randn(4, 6, generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def full_state(net: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Every weight and optimizer moment, unsharded, keyed by parameter name."""
+    names = {p: n for n, p in net.named_parameters()}
+    state = {f"model.{n}": full(t).clone() for n, t in net.state_dict().items()}
+    for p, moments in opt.state.items():
+        for key, value in moments.items():
+            state[f"optimizer.{names[p]}.{key}"] = full(value).clone()
+    return state
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def fresh_optimizer(net: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+
+class Captured(logging.Handler):
+    """The gradfuse.train warnings logged while it is installed."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("gradfuse.train").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("gradfuse.train").removeHandler(self)
+
+
+# --- the module on its own -------------------------------------------------------------------
+
+
+def round_trip_on_two_ranks(rank, world):
+    """Saved on 2 ranks, loaded on 2 ranks into a fresh sharded model: every shard, every moment
+    and each rank's own part come back exactly; keep_last keeps the newest; the folder holds
+    DCP's files and one file per rank."""
+    folder = shared_folder("round-trip")
+    net = model(shard=True)
+    opt = train(net, STEPS, seed=rank)
+    own = {"rng": checkpoint.rng_state(), "data": {"epoch": 1, "position": 3 + rank, "epoch_rng_state": None}}
+    for step in (1, 2, 3):
+        path = sharded_checkpoint.save(
+            folder, step, net, opt, shared={"note": "shared"}, own=own, keep_last=2, group=dist.group.WORLD
+        )
+    assert path == folder / "step-00000003"
+    assert [p.name for p in checkpoint.list_checkpoints(folder)] == ["step-00000002", "step-00000003"]
+    names = sorted(p.name for p in path.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "rank-00000.pt", "rank-00001.pt", "trainer.pt"]
+    assert not [p for p in folder.iterdir() if p.name.startswith(".saving-")]
+    want = full_state(net, opt)
+
+    again = model(shard=True)
+    opt_again = fresh_optimizer(again)
+    state = sharded_checkpoint.load(path, again, opt_again, group=dist.group.WORLD)
+    assert_same(full_state(again, opt_again), want)
+    for mine, theirs in zip(again.parameters(), net.parameters(), strict=True):  # this rank's own shard
+        assert torch.equal(mine.to_local(), theirs.to_local())
+    assert state["step"] == 3 and state["note"] == "shared" and state["world_size"] == 2
+    part = sharded_checkpoint.rank_part(state["ranks"], rank, world)
+    assert part["data"] == own["data"] and torch.equal(part["rng"]["torch"], own["rng"]["torch"])
+    # Training on from the loaded state equals training on from the saved one.
+    train(net, 1, seed=10 + rank), train(again, 1, seed=10 + rank)
+    for mine, theirs in zip(again.parameters(), net.parameters(), strict=True):
+        assert torch.equal(mine.to_local(), theirs.to_local())
+
+
+def saved_for_one_rank(rank, world):
+    """Saves a 2-rank checkpoint and its full tensors for the pytest process to load alone."""
+    folder = shared_folder("two-ranks")
+    net = model(shard=True)
+    opt = train(net, STEPS, seed=rank)
+    own = {"data": {"epoch": 0, "position": 4 + 2 * rank, "epoch_rng_state": torch.get_rng_state()}}
+    sharded_checkpoint.save(folder, STEPS, net, opt, own=own, keep_last=3, group=dist.group.WORLD)
+    want = full_state(net, opt)
+    if rank == 0:
+        torch.save(want, folder / "full.pt")
+
+
+def one_rank_checkpoint_loads_on_two(rank, world):
+    """The checkpoint the pytest process saved alone (``save_on_one_rank``) loaded on 2 ranks
+    into a sharded model: the full tensors equal the saved ones exactly; the data position is
+    re-split, with the warning, and both ranks continue the one saved RNG state."""
+    folder = shared_folder("one-rank")
+    want = torch.load(folder / "full.pt", weights_only=True)
+    net = model(shard=True)
+    opt = fresh_optimizer(net)
+    state = sharded_checkpoint.load(folder / f"step-{STEPS:08d}", net, opt, group=dist.group.WORLD)
+    assert_same(full_state(net, opt), want)
+    with Captured() as log:
+        part = sharded_checkpoint.rank_part(state["ranks"], rank, world, announce=rank == 0)
+    assert part["data"]["position"] == 5 // 2 and part["data"]["epoch"] == 2  # 5 batches taken, split over 2
+    assert torch.equal(part["rng"]["torch"], state["ranks"][0]["rng"]["torch"])
+    if rank == 0:
+        (message,) = log.messages
+        assert "checkpoint of 1 rank(s) on 2" in message and "data order cannot be the same" in message, message
+    else:
+        assert not log.messages
+
+
+def save_on_one_rank(folder: Path) -> None:
+    """In one process, no process group (the pytest process): a checkpoint of an unsharded
+    model for ``one_rank_checkpoint_loads_on_two``."""
+    net = model(shard=False)
+    opt = train(net, STEPS, seed=7)
+    torch.manual_seed(99)
+    own = {"rng": checkpoint.rng_state(), "data": {"epoch": 2, "position": 5, "epoch_rng_state": torch.get_rng_state()}}
+    sharded_checkpoint.save(folder, STEPS, net, opt, own=own)
+    torch.save(full_state(net, opt), folder / "full.pt")
+
+
+# --- a job killed while saving (run as a process of its own by the test) ----------------------
+
+
+def save_then_get_killed(rank: int, world: int, init_file: str, folder: str, point: str) -> None:
+    """Saves step 1 whole, then starts step 2 and stops at ``point`` until killed: ``"written"``,
+    rank 1 after writing its own file (rank 0 waits for it); ``"commit"``, rank 0 with every
+    file written, just before the rename (rank 1 waits for it). Prints ``paused`` when there."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    folder = Path(folder)
+    net = model(shard=True)
+    opt = train(net, STEPS, seed=rank)
+    sharded_checkpoint.save(folder, 1, net, opt, keep_last=5, group=dist.group.WORLD)
+    want = full_state(net, opt)
+    if rank == 0:
+        torch.save(want, folder.parent / "full-step-1.pt")
+    train(net, 1, seed=50 + rank)
+
+    def pause():
+        print("paused", flush=True)
+        time.sleep(600)
+
+    if point == "written" and rank == 1:
+        write_file = checkpoint.write_file
+
+        def write_then_pause(final, state):
+            write_file(final, state)
+            pause()
+
+        checkpoint.write_file = write_then_pause
+    if point == "commit" and rank == 0:
+        fsync_directory = checkpoint.fsync_directory
+
+        def pause_before_rename(directory):
+            fsync_directory(directory)
+            if directory.name.startswith(".saving-step-"):
+                pause()
+
+        checkpoint.fsync_directory = pause_before_rename
+    print("saving", flush=True)
+    sharded_checkpoint.save(folder, 2, net, opt, keep_last=5, group=dist.group.WORLD)
+    print("not killed", flush=True)
+
+
+if __name__ == "__main__":
+    save_then_get_killed(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])

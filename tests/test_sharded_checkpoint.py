@@ -1,0 +1,173 @@
+"""Sharded checkpoints (FSDP2 + ``torch.distributed.checkpoint``) on 2 real ranks (gloo, this
+machine only) and in this process alone: exact round trips, resharding 2 -> 1 and 1 -> 2, a job
+killed while saving, and damaged folders refused. Scenarios in
+``sharded_checkpoint_scenarios.py``, all in one start of two processes, each reported here as
+its own test."""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import multiprocess
+import pytest
+import sharded_checkpoint_scenarios as scenarios
+import torch
+import torch.distributed as dist
+
+from gradfuse.train import CheckpointError, checkpoint, list_checkpoints, load_checkpoint, resume, sharded_checkpoint
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+]
+
+SCENARIOS = ["round_trip_on_two_ranks", "saved_for_one_rank", "one_rank_checkpoint_loads_on_two"]
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """The folder the ranks share with this process; a 1-rank checkpoint saved here first."""
+    root = scenarios.shared_folder("", pytest_pid=os.getpid())
+    shutil.rmtree(root, ignore_errors=True)
+    scenarios.save_on_one_rank(root / "one-rank")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def results(shared):
+    return multiprocess.run("sharded_checkpoint_scenarios", SCENARIOS, world=2, deadline=180)
+
+
+def test_every_scenario_is_listed():
+    assert multiprocess.scenarios_in(scenarios) == set(SCENARIOS)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_two_ranks(results, name):
+    multiprocess.assert_passed(results[name])
+
+
+def test_two_rank_checkpoint_loads_in_one_process(results, shared, caplog):
+    """Saved by 2 ranks of a sharded model, loaded here alone into an unsharded one: every
+    weight and moment equals the saved full tensor bit for bit; the data position is re-split
+    with the warning."""
+    multiprocess.assert_passed(results["saved_for_one_rank"])
+    folder = shared / "two-ranks" / f"step-{scenarios.STEPS:08d}"
+    net = scenarios.model(shard=False)
+    opt = scenarios.fresh_optimizer(net)
+    state = sharded_checkpoint.load(folder, net, opt)
+    scenarios.assert_same(scenarios.full_state(net, opt), torch.load(folder.parent / "full.pt", weights_only=True))
+    with caplog.at_level(logging.WARNING, logger="gradfuse.train"):
+        part = sharded_checkpoint.rank_part(state["ranks"], 0, 1)
+    assert part["data"]["position"] == 4 + 6 and part["data"]["epoch"] == 0  # both ranks' batches, on one
+    assert "checkpoint of 2 rank(s) on 1" in caplog.text and "data order cannot be the same" in caplog.text
+
+
+def _copy_of_two_rank_checkpoint(results, shared, tmp_path) -> Path:
+    multiprocess.assert_passed(results["saved_for_one_rank"])
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(shared / "two-ranks", copy)
+    return copy / f"step-{scenarios.STEPS:08d}"
+
+
+@pytest.mark.parametrize(
+    ("damaged", "how"),
+    [
+        ("rank-00001.pt", "missing"),
+        ("rank-00001.pt", "flipped"),
+        ("trainer.pt", "missing"),
+        (".metadata", "missing"),
+        (".metadata", "flipped"),
+        ("__1_0.distcp", "missing"),
+        ("__0_0.distcp", "flipped"),
+    ],
+)
+def test_a_damaged_folder_is_refused_naming_the_file(results, shared, tmp_path, damaged, how):
+    folder = _copy_of_two_rank_checkpoint(results, shared, tmp_path)
+    target = folder / damaged
+    if how == "missing":
+        target.unlink()
+    else:
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x10  # one bit, in the middle of the file
+        target.write_bytes(data)
+    net = scenarios.model(shard=False)
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(CheckpointError, match=rf"{target}.*(missing|corrupt|checksum)"):
+        sharded_checkpoint.load(folder, net, scenarios.fresh_optimizer(net))
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))  # nothing loaded
+    # resume="latest" refuses it too, saying why, and finds nothing older to fall back on.
+    with pytest.raises(CheckpointError, match=str(target)):
+        resume.resolve("latest", folder.parent, announce=False)
+
+
+def test_files_and_folders_are_listed_and_rotated_together(tmp_path):
+    checkpoint.save_checkpoint(tmp_path, 1, {"weights": torch.ones(2)}, keep_last=5)
+    net = scenarios.model(shard=False)
+    opt = scenarios.train(net, 1, seed=0)
+    sharded_checkpoint.save(tmp_path, 2, net, opt, keep_last=5)
+    checkpoint.save_checkpoint(tmp_path, 3, {"weights": torch.ones(2)}, keep_last=5)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000001.pt", "step-00000002", "step-00000003.pt"]
+    (tmp_path / ".saving-step-00000004").mkdir()  # what a killed sharded save leaves
+    sharded_checkpoint.save(tmp_path, 4, net, opt, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003.pt", "step-00000004"]
+    assert load_checkpoint(tmp_path / "step-00000004")["world_size"] == 1
+    (tmp_path / ".saving-step-00000005").mkdir()  # a single-file save cleans it as well
+    checkpoint.save_checkpoint(tmp_path, 5, {"weights": torch.ones(2)}, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000005.pt"]
+    sharded_checkpoint.save(tmp_path, 4, net, opt, keep_last=2)  # the same step again replaces it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000005.pt"]
+
+
+@pytest.mark.parametrize("point", ["written", "commit"])
+def test_a_job_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, point):
+    """Two real rank processes save step 1, then stop inside the save of step 2 (rank 1 after
+    writing its part, or rank 0 just before the rename) and are killed (SIGKILL): step 1 is
+    whole and is what resume="latest" picks; the next save deletes the leftover."""
+    folder = tmp_path / "checkpoints"
+    init_file = tmp_path / "rendezvous"
+    script = Path(scenarios.__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), *sys.path])}
+    command = [sys.executable, str(script), "RANK", "2", str(init_file), str(folder), point]
+    ranks = [
+        subprocess.Popen(
+            [str(rank) if a == "RANK" else a for a in command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in range(2)
+    ]
+    paused = ranks[1] if point == "written" else ranks[0]
+    try:
+        lines = []
+        while "paused\n" not in lines:
+            ready, _, _ = select.select([paused.stdout], [], [], 90)  # a hang is a failure, not a wait
+            lines.append(paused.stdout.readline() if ready else "")
+            assert lines[-1], paused.stderr.read() if paused.poll() is not None else "no pause within 90 s"
+        assert lines == ["saving\n", "paused\n"], lines
+    finally:
+        for process in ranks:
+            process.kill()  # SIGKILL: nothing of the save runs on
+            process.wait(timeout=30)
+            process.stdout.close()
+            process.stderr.close()
+    assert [p.name for p in list_checkpoints(folder)] == ["step-00000001"]
+    (leftover,) = [p for p in folder.iterdir() if p.name.startswith(".saving-")]
+    assert leftover.name == ".saving-step-00000002" and any(leftover.iterdir())
+    path, state = resume.resolve("latest", folder, announce=False)
+    assert path == folder / "step-00000001" and state["step"] == 1
+    net = scenarios.model(shard=False)
+    opt = scenarios.fresh_optimizer(net)
+    sharded_checkpoint.load(path, net, opt)
+    scenarios.assert_same(scenarios.full_state(net, opt), torch.load(tmp_path / "full-step-1.pt", weights_only=True))
+    sharded_checkpoint.save(folder, 2, net, opt, keep_last=5)
+    assert not leftover.exists() and [p.name for p in list_checkpoints(folder)] == ["step-00000001", "step-00000002"]
