@@ -53,6 +53,31 @@ def combine_norm(local: Tensor, norm_type: float, groups: Sequence) -> Tensor:
     return partial.to(local.dtype)
 
 
+def combine_norm_and_flag(
+    local: Tensor, found_inf: Tensor, norm_type: float, groups: Sequence
+) -> tuple[Tensor, Tensor]:
+    """As :func:`combine_norm`, with this rank's inf/NaN flag ``found_inf`` (0-d, 1.0 or 0.0)
+    riding the same all-reduce: (the norm over all ranks, 1.0 if any rank's flag was set),
+    identical on every rank. The flag is what decides a skipped step: a NaN can vanish in a
+    max-reduction of the norms, never from the flag. ``norm_type`` non-zero."""
+    if not groups:
+        return local, found_inf
+    if math.isinf(norm_type):
+        op = dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN
+        partial = local.double()
+    else:
+        op, partial = dist.ReduceOp.SUM, local.double().pow(norm_type)
+    # Under MIN the flag travels negated, so that a set flag wins in every reduction.
+    flag = found_inf.double().reshape(()) * (-1.0 if op == dist.ReduceOp.MIN else 1.0)
+    both = torch.stack([partial, flag.to(partial.device)])
+    for group in groups:
+        dist.all_reduce(both, op=op, group=group)
+    partial, flag = both.unbind()
+    if not math.isinf(norm_type):
+        partial = partial.pow(1.0 / norm_type)
+    return partial.to(local.dtype), (flag != 0).float().to(found_inf.device)
+
+
 def count_nonzero_across(counts: Tensor, groups: Sequence) -> Tensor:
     """The number of tensors with a non-zero element, from the non-zero counts of this rank's
     shard of each (the 0-"norm" torch gives sharded gradients: a tensor counts once)."""

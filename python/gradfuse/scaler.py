@@ -41,6 +41,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import _plan as P
+from . import distributed as D
 from .clip import _TORCHS, _check_all, _combine_totals, _fused_groups
 from .ddp_hook import DDPHookState, state_for
 from .ops import check_max_norm, multi_tensor_scale_, unscale_and_check_, unscale_and_clip_, unscale_check_norm
@@ -86,6 +87,47 @@ def clip_coef(total_norm: Tensor, max_norm: float) -> Tensor:
     """``min(max_norm / (total_norm + 1e-6), 1)`` on the norm's device, as torch computes it
     (its ``number / tensor`` is ``tensor.reciprocal() * number``), in three C++ calls."""
     return (total_norm + EPS).reciprocal_().mul_(max_norm).clamp_(max=1.0)
+
+
+def _local_norm_and_flag(shards: list[Tensor], inv_scale: Tensor, norm_type: float, device: torch.device):
+    """(norm of ``shards * inv_scale``, found_inf) for one rank's local shards, read-only; the
+    fused pass where the kernels run them, torch's ops otherwise (so that every rank reaches
+    the all-reduce that follows, whatever its shards). No shard: the combine's identity."""
+    nonempty = [t for t in shards if t.numel()]
+    nothing = torch.zeros((), dtype=torch.float32, device=device)
+    if not nonempty:
+        return D.norm_of_nothing(norm_type, device), nothing
+    groups = _fused_groups(nonempty, one_device=False)
+    if groups is not None:
+        try:
+            _check_all(groups)
+            norms, found = [], []
+            for group_device, group in groups.items():
+                norm, flag = unscale_check_norm(group, inv_scale.to(group_device), norm_type)
+                norms.append(norm)
+                found.append(flag.to(device))
+            return _combine_totals(norms, norm_type), torch.stack(found).amax()
+        except _TORCHS:
+            pass
+    norms = [torch.linalg.vector_norm(t.float() * inv_scale.to(t.device), norm_type) for t in nonempty]
+    per_tensor = torch.stack(norms)
+    found = torch.stack([(~torch.isfinite(t)).any().to(device) for t in nonempty]).any().float()
+    return torch.linalg.vector_norm(per_tensor.to(device), norm_type), found
+
+
+def _scale_in_place(tensors: list[Tensor], factor: Tensor) -> None:
+    """``t *= factor`` for every tensor: one fused pass per device, torch's where it cannot."""
+    groups = _fused_groups(tensors, one_device=False) if tensors else {}
+    if groups is not None:
+        try:
+            _check_all(groups)  # what sends the call to torch is found before any device's write
+            for device, group in groups.items():
+                multi_tensor_scale_(group, factor.to(device))
+            return
+        except _TORCHS:
+            pass
+    for t in tensors:
+        t.mul_(factor.to(t.device, t.dtype))
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -193,6 +235,10 @@ class GradScaler(torch.amp.GradScaler):
             return self._clip_from_hook(optimizer, hook, scale, inv_scale, max_norm)
         groups = _fused_groups(grads, one_device=False) if grads else None
         if groups is None:
+            if grads and D.is_dtensor(grads[0]):  # FSDP2, tensor parallel: their local shards
+                total = self._unscale_and_clip_dtensor(optimizer, grads, max_norm, norm_type, divisor)
+                if total is not None:
+                    return total
             return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type, divisor)
         first = next(iter(groups))
         scale, inv_scale = self._scales(first, divisor)
@@ -341,6 +387,41 @@ class GradScaler(torch.amp.GradScaler):
                     observe(group, stats, inv)
                 norms.append(norm)
             return _combine_totals(norms, norm_type), found
+
+    def _unscale_and_clip_dtensor(self, optimizer, grads: list[Tensor], max_norm: float, norm_type: float, divisor):
+        """``unscale_and_clip_`` for DTensor gradients (FSDP2, tensor parallel). A read-only
+        pass over this rank's local shards gives their unscaled norm and inf/NaN flag; one
+        all-reduce per set of sharded mesh dimensions combines both (``combine_norm_and_flag``),
+        so every rank has the same norm and the same verdict on skipping the step; then the clip
+        joins the unscale factor as for plain gradients: inside the fused optimizer's read
+        (torch's fused AdamW takes DTensor parameters with a plain ``grad_scale``), or one write
+        pass over the shards. Returns the norm as a plain 0-d tensor, or None (nothing done)
+        where torch must answer: ``Partial`` placements, several meshes, order 0."""
+        spec = D.dtensor_locals(grads)
+        if spec is None or norm_type == 0:
+            return None
+        mesh, by_dims = spec
+        device = next(t for shards in by_dims.values() for t in shards).device
+        scale, inv_scale = self._scales(device, divisor)
+        with torch.no_grad():
+            # Every rank measures first and then joins the same all-reduces, whatever its shards.
+            local = [_local_norm_and_flag(shards, inv_scale, norm_type, device) for shards in by_dims.values()]
+            totals, flags = [], []
+            for dims, (norm, found) in zip(by_dims, local, strict=True):
+                norm, found = D.combine_norm_and_flag(norm, found, norm_type, [mesh.get_group(d) for d in dims])
+                totals.append(norm)
+                flags.append(found)
+            total = _combine_totals(totals, norm_type)
+            found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+            coef = clip_coef(total, max_norm)
+            grad_scale = None
+            if _folds(optimizer):
+                grad_scale = (scale / coef).float()
+            else:
+                shards = [t for part in by_dims.values() for t in part if t.numel()]
+                _scale_in_place(shards, (inv_scale * coef).float())
+        self._record(optimizer, {found.device: found}, grad_scale)
+        return total
 
     def _unscale_and_clip_by_torch(self, optimizer, max_norm: float, norm_type: float, divisor=None) -> Tensor:
         """Gradients gradfuse cannot run (sparse, DTensor, ...): torch's unscale_ and clip."""

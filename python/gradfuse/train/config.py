@@ -19,6 +19,7 @@ from .health import check_clip, check_log_grad_norms, check_skip_spikes
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 LOSS_NORMALIZATIONS = ("mean", "tokens")
+PARALLELS = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,12 @@ class TrainConfig:
     # Per-module gradient norms and largest magnitudes (module names cut at this depth) in the
     # metrics rows of log steps, from the clip's own read; None: off.
     log_grad_norms: int | None = None
+    # Parallelism (train/fsdp.py): under torchrun, ddp (DistributedDataParallel + gradfuse's hook)
+    # or fsdp (FSDP2's fully_shard: each module whose class is named in fsdp_units, then the root).
+    parallel: str = "ddp"
+    fsdp_units: Sequence[str] = ()  # module class names sharded one by one before the root
+    reshard_after_forward: bool = True  # fsdp: free the gathered parameters after forward (gather again in backward)
+    cpu_offload: bool = False  # fsdp: keep the sharded parameters, gradients and optimizer state in CPU memory
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "grad_accum_steps", "keep_last", "log_every", "max_nan_losses"):
@@ -119,6 +126,21 @@ class TrainConfig:
         check_skip_spikes(self.skip_spikes)  # gradient health: these raise naming the field
         check_clip(self.clip, self.clip_options, self.max_grad_norm)
         check_log_grad_norms(self.log_grad_norms, self.clip)
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        _check_choice("parallel", self.parallel, PARALLELS)
+        units = self.fsdp_units
+        if isinstance(units, str) or not isinstance(units, Sequence) or not all(isinstance(n, str) for n in units):
+            _fail("fsdp_units", f"must be a list of module class names, got {units!r}", TypeError)
+        for name in ("reshard_after_forward", "cpu_offload"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, f"must be True or False, got {getattr(self, name)!r}", TypeError)
+        if self.parallel != "fsdp":  # an FSDP setting under DDP would be silently ignored
+            set_here = {"fsdp_units": bool(units), "reshard_after_forward": not self.reshard_after_forward}
+            set_here["cpu_offload"] = self.cpu_offload
+            for name in (name for name, is_set in set_here.items() if is_set):
+                _fail(name, f"applies to parallel='fsdp' only, but parallel={self.parallel!r}")
 
     def to_dict(self) -> dict:
         """The fields as plain values (paths as strings), for checkpoints and logs."""
@@ -127,6 +149,7 @@ class TrainConfig:
             value = getattr(self, f.name)
             out[f.name] = os.fspath(value) if isinstance(value, os.PathLike) else value
         out["activation_checkpointing"] = list(self.activation_checkpointing)
+        out["fsdp_units"] = list(self.fsdp_units)
         return out
 
 

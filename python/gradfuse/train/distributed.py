@@ -6,7 +6,9 @@ it lets backward skip communication on every micro-step but the last (``grads.no
 ``LocalGradients`` does that for one process (the model itself, torch's own ``zero_grad``,
 nothing to skip); ``DDPGradients`` for data parallelism: torch's ``DistributedDataParallel``
 with ``gradient_as_bucket_view=True`` and gradfuse's communication hook, which measures the
-gradients' norm while backward runs, so that the scaler's clip reads no gradient afterwards.
+gradients' norm while backward runs, so that the scaler's clip reads no gradient afterwards;
+``FSDPGradients`` (``fsdp.py``, ``TrainConfig.parallel="fsdp"``) for a model sharded by FSDP2.
+``World.gradients`` is the one place that picks among them.
 
 ``connect`` gives the ``World``: a single process, or, when a default process group exists
 (made by the caller, or here from torchrun's environment: gloo on CPU, NCCL on GPU), this
@@ -26,6 +28,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..ddp_hook import register_ddp_hook
+from .config import TrainConfig
+from .fsdp import FSDPGradients
 
 
 class LocalGradients:
@@ -78,10 +82,10 @@ class World:
         """``value`` averaged over the ranks (a scalar on the training device)."""
         return value
 
-    def gradients(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, norm_type: float = 2.0):
+    def gradients(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig):
         """Who holds the gradients: ``.module`` (what forward calls), ``.zero_grad()``,
-        ``.no_sync()``. ``norm_type``: the order the clip will ask for (measured in backward
-        under DDP; another order reads the gradients)."""
+        ``.no_sync()``. One process trains the plain model, whatever ``config.parallel`` says
+        (nothing to shard over: see ``fsdp.py``)."""
         return LocalGradients(model, optimizer)
 
 
@@ -98,8 +102,12 @@ class ProcessGroupWorld(World):
         dist.all_reduce(total, group=self.group)  # a sum: gloo has no average
         return total / self.world_size
 
-    def gradients(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, norm_type: float = 2.0):
-        return DDPGradients(model, optimizer, self.group, norm_type)
+    def gradients(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig):
+        """FSDP2 for ``parallel="fsdp"``; otherwise DDP with gradfuse's hook, which measures
+        the ``config.norm_type``-norm in backward (another order would read the gradients)."""
+        if config.parallel == "fsdp":
+            return FSDPGradients(model, optimizer, self.group, config)
+        return DDPGradients(model, optimizer, self.group, config.norm_type)
 
 
 def training_device(requested: str | None, model: torch.nn.Module) -> torch.device:

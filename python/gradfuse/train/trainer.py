@@ -145,6 +145,8 @@ class Trainer:
             raise ValueError("TrainConfig.keep_best keeps the checkpoint with the lowest eval loss: it needs eval_data")
         if config.tensorboard_dir is not None:
             check_tensorboard()
+        if config.parallel == "fsdp" and (config.checkpoint_dir is not None or resume is not None):
+            _no_sharded_checkpoints()  # call point: sharded checkpoints (DCP) go here
         self.config = config
         self.device = training_device(config.device, model)
         self.model = model.to(self.device)  # the user's module: checkpoints hold its state dict
@@ -156,7 +158,7 @@ class Trainer:
         self.eval_data = eval_data
         self.batches = BatchStream(train_data)
         checkpoint_activations(model, config.activation_checkpointing)
-        self.grads = self.world.gradients(model, optimizer, config.norm_type)  # zero_grad, no_sync
+        self.grads = self.world.gradients(model, optimizer, config)  # zero_grad, no_sync; DDP or FSDP2
         self.net = self.grads.module  # what forward calls go through (DDP's wrapper under data parallelism)
         if config.compile:
             self.net = torch.compile(self.net)
@@ -524,6 +526,8 @@ class Trainer:
     def save(self, best: bool = False) -> Path | None:
         """Write a checkpoint of the current step (main process only); returns its path.
         ``best=True`` writes ``best.pt`` instead (``keep_best``)."""
+        if self.config.parallel == "fsdp":  # call point: every rank writes its shards (DCP)
+            _no_sharded_checkpoints()
         if not self.world.is_main:
             return None
         cfg = self.config
@@ -588,6 +592,14 @@ def _check_reiterable(name: str, data) -> None:
         raise TypeError(f"{name} must be an iterable of batches (a list or a DataLoader), got {type(data).__name__}")
     if isinstance(data, (list, tuple)) and not data:
         raise ValueError(f"{name} is empty: it has no batches")
+
+
+def _no_sharded_checkpoints() -> None:
+    # A whole-model file written by rank 0 would hold rank 0's shards only.
+    raise NotImplementedError(
+        "TrainConfig.parallel='fsdp' checkpoints are sharded (torch.distributed.checkpoint), not written by this "
+        "version; leave checkpoint_dir and resume unset"
+    )
 
 
 def _seed_everything(seed: int) -> None:
