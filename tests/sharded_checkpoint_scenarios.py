@@ -11,6 +11,7 @@ Folders both ranks and the pytest process share are named by ``shared_folder``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from gradfuse.train import checkpoint, sharded_checkpoint
+from gradfuse.train import TrainConfig, Trainer, checkpoint, sharded_checkpoint
 
 STEPS = 3
 
@@ -177,6 +178,142 @@ def save_on_one_rank(folder: Path) -> None:
     own = {"rng": checkpoint.rng_state(), "data": {"epoch": 2, "position": 5, "epoch_rng_state": torch.get_rng_state()}}
     sharded_checkpoint.save(folder, STEPS, net, opt, own=own)
     torch.save(full_state(net, opt), folder / "full.pt")
+
+
+# --- the Trainer on FSDP2 ---------------------------------------------------------------------
+
+TRAIN_STEPS, ACCUM = 4, 2
+VOLATILE = {"samples_per_s", "tokens_per_s", "peak_mem_mb"}  # timings, not results
+
+
+class Crash(Exception):
+    pass
+
+
+class Block(nn.Module):
+    """The unit FSDP2 shards on its own (``fsdp_units=["Block"]``); its dropout draws from the
+    RNG, so a resume that did not restore each rank's RNG states would differ."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.dropout = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return x + self.dropout(torch.tanh(self.linear(x)))
+
+
+def block_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), Block(16), Block(16), nn.Linear(16, 3))  # 3 rows: sharded unevenly
+
+
+def shuffled_data(rank: int, ranks: int) -> torch.utils.data.DataLoader:
+    """This rank's share of 20 samples in a shuffled loader of batches of 2: on 2 ranks 5 batches
+    an epoch, so epochs end inside steps 3 and 5 (the checkpoint of step 2 sits inside the
+    first); one process takes all 20."""
+    gen = torch.Generator().manual_seed(40)
+    x, y = torch.randn(20, 6, generator=gen), torch.randn(20, 3, generator=gen)
+    data = torch.utils.data.TensorDataset(x[rank::ranks], y[rank::ranks])
+    return torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
+
+
+def fsdp_trainer(folder: Path | None, rank: int, world: int, crash_after=None, resume=None, **overrides) -> Trainer:
+    net = block_model()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+    settings = dict(
+        max_steps=TRAIN_STEPS, grad_accum_steps=ACCUM, max_grad_norm=0.05, lr=1e-2, lr_schedule="cosine",
+        warmup_steps=1, log_every=1, progress=False, parallel="fsdp", fsdp_units=["Block"], checkpoint_dir=folder,
+        save_every=2, keep_last=2,
+    )  # fmt: skip
+
+    def loss_fn(model, batch):
+        if trainer.step == crash_after:
+            raise Crash
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    cfg = TrainConfig(**{**settings, **overrides})
+    trainer = Trainer(net, opt, shuffled_data(rank, world), cfg, loss_fn=loss_fn, resume=resume)
+    return trainer
+
+
+def results(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in VOLATILE} for row in rows]
+
+
+class Saved:
+    """An ``on_save`` callback: the paths it was given."""
+
+    def __init__(self):
+        self.paths: list[Path] = []
+
+    def on_save(self, path):
+        self.paths.append(path)
+
+
+def fsdp_trainer_resumes_exactly(rank, world):
+    """4 steps straight == 2 steps, a crash in step 3, a resume from the step-2 folder in a fresh
+    model and optimizer, 2 steps: the same losses and the same weights, bit for bit."""
+    straight = fsdp_trainer(None, rank, world, save_every=None)
+    want_rows = results(straight.fit())
+    want = full_state(straight.model, straight.optimizer)
+
+    folder = shared_folder("trainer-resume")
+    first = fsdp_trainer(folder, rank, world, crash_after=2)
+    saved = Saved()
+    first.callbacks = type(first.callbacks)([saved])
+    try:
+        first.fit()
+        raise AssertionError("the crash did not happen")
+    except Crash:
+        pass
+    assert saved.paths == ([folder / "step-00000002"] if rank == 0 else [])  # on_save: the folder, on rank 0
+    assert [p.name for p in checkpoint.list_checkpoints(folder)] == ["step-00000002"]
+    files = sorted(p.name for p in (folder / "step-00000002").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "rank-00000.pt", "rank-00001.pt", "trainer.pt"]
+
+    resumed = fsdp_trainer(folder, rank, world, resume="latest")
+    assert resumed.step == 2 and resumed.resumed_from == folder / "step-00000002"
+    got_rows = results(resumed.fit())
+    assert got_rows == want_rows[2:], (got_rows, want_rows[2:])
+    assert_same(full_state(resumed.model, resumed.optimizer), want)
+    assert [p.name for p in checkpoint.list_checkpoints(folder)] == ["step-00000002", "step-00000004"]
+
+
+def fsdp_trainer_saved_for_one_rank(rank, world):
+    """Saves a 2-rank Trainer checkpoint (step 2) and its full tensors, for the pytest process to
+    resume alone (``test_fsdp_trainer_two_ranks_to_one``)."""
+    folder = shared_folder("trainer-two-ranks")
+    trainer = fsdp_trainer(folder, rank, world, max_steps=2)
+    trainer.fit()
+    want = full_state(trainer.model, trainer.optimizer)
+    if rank == 0:
+        torch.save(want, folder / "full.pt")
+
+
+def fsdp_trainer_resumes_a_one_rank_checkpoint(rank, world):
+    """The checkpoint of a Trainer with parallel="fsdp" in one process (the pytest process,
+    ``one_rank_trainer_checkpoint``) resumed on 2 ranks: the weights and moments equal the saved
+    ones exactly, the warning says the data order changes, and training goes on."""
+    folder = shared_folder("trainer-one-rank")
+    want = torch.load(folder / "full.pt", weights_only=True)
+    with Captured() as log:
+        trainer = fsdp_trainer(folder, rank, world, resume=folder / "step-00000002")
+    assert_same(full_state(trainer.model, trainer.optimizer), want)
+    warned = [m for m in log.messages if "data order cannot be the same" in m]
+    assert len(warned) == (1 if rank == 0 else 0), log.messages
+    assert (trainer.batches.epoch, trainer.batches.position) == (0, 2)  # the 4 batches one process took, over 2
+    rows = trainer.fit()
+    assert [row["step"] for row in rows] == [3, 4] and all(math.isfinite(row["loss"]) for row in rows)
+
+
+def one_rank_trainer_checkpoint(folder: Path) -> None:
+    """In one process (the pytest process): a Trainer with parallel="fsdp" saves step 2."""
+    trainer = fsdp_trainer(folder, 0, 1, max_steps=2)
+    trainer.fit()
+    assert (folder / "step-00000002" / checkpoint.METADATA).is_file()
+    torch.save(full_state(trainer.model, trainer.optimizer), folder / "full.pt")
 
 
 # --- a job killed while saving (run as a process of its own by the test) ----------------------

@@ -27,7 +27,14 @@ pytestmark = [
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
 ]
 
-SCENARIOS = ["round_trip_on_two_ranks", "saved_for_one_rank", "one_rank_checkpoint_loads_on_two"]
+SCENARIOS = [
+    "round_trip_on_two_ranks",
+    "saved_for_one_rank",
+    "one_rank_checkpoint_loads_on_two",
+    "fsdp_trainer_resumes_exactly",
+    "fsdp_trainer_saved_for_one_rank",
+    "fsdp_trainer_resumes_a_one_rank_checkpoint",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +43,7 @@ def shared():
     root = scenarios.shared_folder("", pytest_pid=os.getpid())
     shutil.rmtree(root, ignore_errors=True)
     scenarios.save_on_one_rank(root / "one-rank")
+    scenarios.one_rank_trainer_checkpoint(root / "trainer-one-rank")
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
@@ -68,6 +76,24 @@ def test_two_rank_checkpoint_loads_in_one_process(results, shared, caplog):
         part = sharded_checkpoint.rank_part(state["ranks"], 0, 1)
     assert part["data"]["position"] == 4 + 6 and part["data"]["epoch"] == 0  # both ranks' batches, on one
     assert "checkpoint of 2 rank(s) on 1" in caplog.text and "data order cannot be the same" in caplog.text
+
+
+def test_fsdp_trainer_two_ranks_to_one(results, shared, caplog):
+    """A 2-rank FSDP2 Trainer's checkpoint resumed by a Trainer with parallel="fsdp" in this
+    process alone: weights and moments equal the saved ones bit for bit, each of the two
+    ranks' data positions is summed into one, with the warning; training goes on."""
+    multiprocess.assert_passed(results["fsdp_trainer_saved_for_one_rank"])
+    folder = shared / "trainer-two-ranks"
+    with caplog.at_level(logging.WARNING, logger="gradfuse.train"):
+        trainer = scenarios.fsdp_trainer(folder, 0, 1, resume="latest")
+    assert trainer.resumed_from == folder / "step-00000002"
+    scenarios.assert_same(
+        scenarios.full_state(trainer.model, trainer.optimizer), torch.load(folder / "full.pt", weights_only=True)
+    )
+    assert "checkpoint of 2 rank(s) on 1" in caplog.text and "data order cannot be the same" in caplog.text
+    assert (trainer.batches.epoch, trainer.batches.position) == (0, 8)  # the 2 ranks' 4 batches each, on one
+    rows = trainer.fit()
+    assert [row["step"] for row in rows] == [3, 4]
 
 
 def _copy_of_two_rank_checkpoint(results, shared, tmp_path) -> Path:

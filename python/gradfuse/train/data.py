@@ -13,7 +13,6 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
-
 _END = object()
 
 
