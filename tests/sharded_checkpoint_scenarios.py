@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -218,7 +219,9 @@ def shuffled_data(rank: int, ranks: int) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
 
 
-def fsdp_trainer(folder: Path | None, rank: int, world: int, crash_after=None, resume=None, **overrides) -> Trainer:
+def fsdp_trainer(
+    folder: Path | None, rank: int, world: int, crash_after=None, resume=None, eval_data=None, **overrides
+) -> Trainer:
     net = block_model()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
     settings = dict(
@@ -234,7 +237,8 @@ def fsdp_trainer(folder: Path | None, rank: int, world: int, crash_after=None, r
         return torch.nn.functional.mse_loss(model(x), y)
 
     cfg = TrainConfig(**{**settings, **overrides})
-    trainer = Trainer(net, opt, shuffled_data(rank, world), cfg, loss_fn=loss_fn, resume=resume)
+    data = shuffled_data(rank, world)
+    trainer = Trainer(net, opt, data, cfg, loss_fn=loss_fn, resume=resume, eval_data=eval_data)
     return trainer
 
 
@@ -272,6 +276,22 @@ def fsdp_trainer_resumes_exactly(rank, world):
     assert [p.name for p in checkpoint.list_checkpoints(folder)] == ["step-00000002"]
     files = sorted(p.name for p in (folder / "step-00000002").iterdir())
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "rank-00000.pt", "rank-00001.pt", "trainer.pt"]
+
+    single_file = checkpoint.save_checkpoint(shared_folder(f"single-file-{rank}"), 2, {"config": {}}, keep_last=1)
+    try:
+        fsdp_trainer(folder, rank, world, resume=single_file)
+        raise AssertionError("a single-file checkpoint was loaded into a sharded model")
+    except checkpoint.CheckpointError as err:
+        assert "single-file checkpoint" in str(err) and str(single_file) in str(err), err
+    copy = shared_folder("copy-of-step-2")
+    if rank == 0:
+        shutil.copytree(folder / "step-00000002", copy)
+    dist.barrier()
+    try:  # rank 1 pointed at another folder than rank 0's (the same bytes, but nothing says so)
+        fsdp_trainer(folder, rank, world, resume=folder / "step-00000002" if rank == 0 else copy)
+        raise AssertionError("the ranks loaded different checkpoints")
+    except checkpoint.CheckpointError as err:
+        assert "the ranks would load different checkpoints" in str(err), err
 
     resumed = fsdp_trainer(folder, rank, world, resume="latest")
     assert resumed.step == 2 and resumed.resumed_from == folder / "step-00000002"

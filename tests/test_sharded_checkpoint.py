@@ -96,6 +96,19 @@ def test_fsdp_trainer_two_ranks_to_one(results, shared, caplog):
     assert [row["step"] for row in rows] == [3, 4]
 
 
+def test_one_process_fsdp_trainer_keeps_its_best_as_a_folder(tmp_path):
+    """parallel="fsdp" in one process: checkpoints are folders (DCP without a process group),
+    keep_best writes ``best/`` beside them, and a resume from it continues at its step."""
+    eval_data = [(torch.randn(4, 6), torch.randn(4, 3))]
+    trainer = scenarios.fsdp_trainer(tmp_path, 0, 1, eval_data=eval_data, keep_best=True, eval_every=1, save_every=1)
+    rows = trainer.fit()
+    best_step = min(rows, key=lambda row: row["eval_loss"])["step"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000003", "step-00000004"]  # keep_last=2
+    assert load_checkpoint(tmp_path / "best")["step"] == best_step
+    resumed = scenarios.fsdp_trainer(tmp_path, 0, 1, eval_data=eval_data, resume=tmp_path / "best")
+    assert resumed.step == best_step and resumed.best_eval_loss == min(row["eval_loss"] for row in rows)
+
+
 def _copy_of_two_rank_checkpoint(results, shared, tmp_path) -> Path:
     multiprocess.assert_passed(results["saved_for_one_rank"])
     copy = tmp_path / "checkpoints"

@@ -128,6 +128,15 @@ def load_model_and_optimizer(folder: str | os.PathLike, model: torch.nn.Module, 
     this rank), then ``set_state_dict`` puts them in place. Every rank of ``group`` calls it
     (``None``: this process alone). The folder should have been checked first
     (``checkpoint.load_checkpoint``)."""
+    if group is not None:  # each rank picked its folder itself (resume="latest"): the same one?
+        folders: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(folders, os.fspath(Path(folder).resolve()), group=group)
+        if len(set(folders)) > 1:
+            raise checkpoint.CheckpointError(
+                "the ranks would load different checkpoints: "
+                + ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(folders))
+                + "; every rank must see the same checkpoint folder (a shared file system)"
+            )
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     with _single_process_quiet(group):
