@@ -40,8 +40,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from . import checkpoint
 
@@ -78,6 +76,7 @@ def save(
         temp.mkdir()
 
     _together(group, rank == 0 and prepare, f"could not start the checkpoint {final}")
+    dcp, get_state_dict, _ = _dcp()
     model_state, optimizer_state = get_state_dict(model, optimizer)
     with _single_process_quiet(group):
         metadata = dcp.save(
@@ -137,6 +136,7 @@ def load_model_and_optimizer(folder: str | os.PathLike, model: torch.nn.Module, 
                 + ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(folders))
                 + "; every rank must see the same checkpoint folder (a shared file system)"
             )
+    dcp, get_state_dict, set_state_dict = _dcp()
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     with _single_process_quiet(group):
@@ -187,6 +187,15 @@ def resplit_data(positions: list[dict], world: int) -> dict:
         return {"epoch": epoch, "position": 0, "epoch_rng_state": None}
     taken = sum(p["position"] for p in behind)
     return {"epoch": epoch, "position": taken // world, "epoch_rng_state": started[0]["epoch_rng_state"]}
+
+
+def _dcp():
+    """``torch.distributed.checkpoint`` and its state-dict functions, imported when first used:
+    importing them costs about a second, too much for every ``import gradfuse``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    return dcp, get_state_dict, set_state_dict
 
 
 def _rank_and_world(group) -> tuple[int, int]:

@@ -112,6 +112,8 @@ class Trainer:
     Under ``torchrun`` (or with a default process group already made) it trains data-parallel:
     each rank on its own ``train_data``, gradients averaged through ``gradfuse.GradBuckets``,
     communication on the last micro-step only, and rank 0 alone writes checkpoints and metrics.
+    With ``parallel="fsdp"`` checkpoints are folders every rank writes its shards into
+    (``sharded_checkpoint``), and they resume on any world size.
     """
 
     def __init__(
