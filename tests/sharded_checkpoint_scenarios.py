@@ -259,12 +259,24 @@ class Saved:
 def fsdp_trainer_resumes_exactly(rank, world):
     """4 steps straight == 2 steps, a crash in step 3, a resume from the step-2 folder in a fresh
     model and optimizer, 2 steps: the same losses and the same weights, bit for bit."""
-    straight = fsdp_trainer(None, rank, world, save_every=None)
+    _resumes_exactly(rank, world, "trainer-resume")
+
+
+def fsdp_trainer_with_zclip_resumes_exactly(rank, world):
+    """The same with the state of a clipping policy (device tensors) in the checkpoint: ZClip's
+    statistics continue as they were."""
+    _resumes_exactly(
+        rank, world, "trainer-resume-zclip", max_grad_norm=None, clip="zclip", clip_options={"warmup_steps": 1}
+    )
+
+
+def _resumes_exactly(rank: int, world: int, name: str, **overrides) -> None:
+    straight = fsdp_trainer(None, rank, world, save_every=None, **overrides)
     want_rows = results(straight.fit())
     want = full_state(straight.model, straight.optimizer)
 
-    folder = shared_folder("trainer-resume")
-    first = fsdp_trainer(folder, rank, world, crash_after=2)
+    folder = shared_folder(name)
+    first = fsdp_trainer(folder, rank, world, crash_after=2, **overrides)
     saved = Saved()
     first.callbacks = type(first.callbacks)([saved])
     try:
@@ -279,21 +291,21 @@ def fsdp_trainer_resumes_exactly(rank, world):
 
     single_file = checkpoint.save_checkpoint(shared_folder(f"single-file-{rank}"), 2, {"config": {}}, keep_last=1)
     try:
-        fsdp_trainer(folder, rank, world, resume=single_file)
+        fsdp_trainer(folder, rank, world, resume=single_file, **overrides)
         raise AssertionError("a single-file checkpoint was loaded into a sharded model")
     except checkpoint.CheckpointError as err:
         assert "single-file checkpoint" in str(err) and str(single_file) in str(err), err
-    copy = shared_folder("copy-of-step-2")
+    copy = shared_folder(f"copy-of-{name}")
     if rank == 0:
         shutil.copytree(folder / "step-00000002", copy)
     dist.barrier()
     try:  # rank 1 pointed at another folder than rank 0's (the same bytes, but nothing says so)
-        fsdp_trainer(folder, rank, world, resume=folder / "step-00000002" if rank == 0 else copy)
+        fsdp_trainer(folder, rank, world, resume=folder / "step-00000002" if rank == 0 else copy, **overrides)
         raise AssertionError("the ranks loaded different checkpoints")
     except checkpoint.CheckpointError as err:
         assert "the ranks would load different checkpoints" in str(err), err
 
-    resumed = fsdp_trainer(folder, rank, world, resume="latest")
+    resumed = fsdp_trainer(folder, rank, world, resume="latest", **overrides)
     assert resumed.step == 2 and resumed.resumed_from == folder / "step-00000002"
     got_rows = results(resumed.fit())
     assert got_rows == want_rows[2:], (got_rows, want_rows[2:])
