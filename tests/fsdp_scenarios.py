@@ -10,7 +10,10 @@ where two ranks sum half each; fp32 rounding differs at the level of 1e-7 relati
 
 from __future__ import annotations
 
+import re
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -141,3 +144,163 @@ def fsdp_matches_ddp_and_one_process_bf16(rank, world):
     torch.testing.assert_close([r["grad_norm"] for r in rows], norms, rtol=2e-2, atol=0)
     for a, b in zip(weights, ref_weights, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+def fsdp_matches_ddp_fp16_with_loss_scaling(rank, world):
+    """fp16: FSDP2 gathers fp16 parameters, the loss is scaled by GradScaler, the gradients are
+    reduced in fp32 and unscaled inside the fused AdamW's read; the same numbers as DDP's."""
+    _, rows, weights = train("fsdp", "fp16", rank, world)
+    _, ddp_rows, ddp_weights = train("ddp", "fp16", rank, world)
+    assert [r["loss_scale"] for r in rows] == [r["loss_scale"] for r in ddp_rows] == [2.0**16] * STEPS
+    torch.testing.assert_close([r["loss"] for r in rows], [r["loss"] for r in ddp_rows], rtol=1e-5, atol=0)
+    torch.testing.assert_close([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ddp_rows], rtol=1e-5, atol=0)
+    for a, b in zip(weights, ddp_weights, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def hand_written_fsdp(rank: int, world: int, norm_type: float, make_optimizer):
+    """torchtitan's way: fully_shard the units and the root, the optimizer built after, torch's
+    clip_grad_norm_ on the DTensor gradients; (norms, the whole weights after)."""
+    from torch.distributed.fsdp import fully_shard
+
+    net = model()
+    for block in (net[1], net[2]):
+        fully_shard(block)
+    fully_shard(net)
+    opt = make_optimizer(net.parameters())
+    batches = my_share(combined_batches(STEPS * ACCUM, PER_RANK * world), rank, world)
+    norms = []
+    for step in range(STEPS):
+        for group in opt.param_groups:
+            group["lr"] = 1e-2 * lr_factor(step, max_steps=STEPS, warmup_steps=1, schedule="cosine", min_lr_ratio=0.0)
+        opt.zero_grad()
+        for micro in range(ACCUM):
+            net.set_requires_gradient_sync(micro == ACCUM - 1)
+            (mse(net, batches[step * ACCUM + micro]) / ACCUM).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05, norm_type).full_tensor().item())
+        opt.step()
+    return norms, full(net.parameters())
+
+
+def clip_norm_equals_torch_on_the_same_fsdp_model(rank, world):
+    """The norm the Trainer reports (gradfuse's fused pass over the local shards, one
+    all-reduce) equals torch's clip_grad_norm_ on the DTensor gradients of the same FSDP2
+    model, for orders 2, 1 and inf, and the clip (folded into fused AdamW; in place for SGD)
+    moves the weights as torch's does."""
+    fused = lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True)  # noqa: E731
+    sgd = lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9)  # noqa: E731 (not fused: clipped in place)
+    for norm_type, make_optimizer in ((2.0, fused), (1.0, fused), (float("inf"), fused), (2.0, sgd)):
+        _, rows, weights = train("fsdp", "fp32", rank, world, optimizer=make_optimizer, norm_type=norm_type)
+        norms, torch_weights = hand_written_fsdp(rank, world, norm_type, make_optimizer)
+        assert all(r["clip_coef"] < 1 for r in rows), norm_type
+        torch.testing.assert_close([r["grad_norm"] for r in rows], norms, rtol=1e-5, atol=0, msg=str(norm_type))
+        for a, b in zip(weights, torch_weights, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=str(norm_type))
+
+
+def communication_only_on_the_last_micro_step(rank, world):
+    """FSDP2 reduce-scatters once per unit per step whatever grad_accum_steps (the micro-steps run
+    under set_requires_gradient_sync(False)); the step's all-reduces are the loss's mean and
+    the one that gives the norm and the inf/NaN flag together."""
+    real_scatter, real_reduce, calls = dist.reduce_scatter_single, dist.all_reduce, []
+
+    def counting(real):
+        def call(*args, **kwargs):
+            calls.append(real.__name__)
+            return real(*args, **kwargs)
+
+        return call
+
+    counts = []
+    for accum in (1, 4):
+        net = model()
+        batches = my_share(combined_batches(2 * accum, 2 * world), rank, world)
+        cfg = settings(max_steps=2, grad_accum_steps=accum)
+        trainer = Trainer(net, torch.optim.AdamW(net.parameters(), fused=True), batches, cfg, loss_fn=mse)
+        calls.clear()
+        dist.reduce_scatter_single, dist.all_reduce = counting(real_scatter), counting(real_reduce)
+        try:
+            trainer.fit()
+        finally:
+            dist.reduce_scatter_single, dist.all_reduce = real_scatter, real_reduce
+        counts.append(sorted(calls))
+    # Per step: one reduce-scatter per unit (2 Blocks and the root), two all-reduces.
+    expected = sorted(["all_reduce"] * 2 * 2 + ["reduce_scatter_single"] * 3 * 2)
+    assert counts[0] == counts[1] == expected, counts
+
+
+def an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(rank, world):
+    """An inf in rank 1's shard only (after the reduce-scatter, so rank 0's shards are finite):
+    the inf/NaN flag rides the norm's all-reduce, and both ranks skip the step (fp16: and back
+    the loss scale off), the weights unchanged on both."""
+    for precision in ("fp16", "fp32"):
+        net = model()
+        batches = my_share(combined_batches(STEPS * ACCUM, PER_RANK * world), rank, world)
+        cfg = settings(precision=precision)
+        trainer = Trainer(net, torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True), batches, cfg, loss_fn=mse)
+        measure = trainer.scaler.unscale_and_clip_
+
+        def poisoned(optimizer, *args, trainer=trainer, net=net, measure=measure, **kwargs):
+            if rank == 1 and trainer.step == 1:
+                shard = next(p.grad for p in net.parameters() if p.grad.to_local().numel())
+                shard.to_local().view(-1)[0] = float("inf")
+            return measure(optimizer, *args, **kwargs)
+
+        trainer.scaler.unscale_and_clip_ = poisoned
+        rows = [trainer.train_step()]
+        before = full(net.parameters())
+        rows.append(trainer.train_step())
+        after = full(net.parameters())
+        assert [r["skipped"] for r in rows] == [0, 1], (precision, rows)
+        assert rows[1]["nonfinite_grads"] == ["0.weight"], rows[1]  # on both ranks
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), precision
+        scale = trainer.scaler.get_scale()
+        assert scale == (2.0**15 if precision == "fp16" else 1.0), (precision, scale)
+
+
+def bad_settings_raise_before_anything_is_sharded(rank, world):
+    """An unknown unit, an optimizer that has stepped or that holds another model's parameter,
+    CPU offload without a GPU: each a ValueError naming the problem, the model left unsharded."""
+    batches = my_share(combined_batches(2, 2 * world), rank, world)
+    net = model()
+    stepped = torch.optim.AdamW(net.parameters())
+    net(batches[0][0]).sum().backward()
+    stepped.step()
+    stranger = nn.Linear(2, 2)
+    cases = [
+        (settings(fsdp_units=["Blok"]), torch.optim.AdamW(net.parameters()), r"fsdp_units names \['Blok'\].*Block"),
+        (settings(), stepped, "optimizer already has state"),
+        (settings(), torch.optim.AdamW([*net.parameters(), stranger.weight]), r"param_groups\[0\].*\(2, 2\)"),
+        (settings(cpu_offload=True), torch.optim.AdamW(net.parameters()), "TrainConfig.cpu_offload.*cpu"),
+    ]
+    for cfg, opt, message in cases:
+        try:
+            Trainer(net, opt, batches, cfg, loss_fn=mse)
+        except ValueError as err:
+            assert re.search(message, str(err)), (message, str(err))
+        else:
+            raise AssertionError(f"no error for {message}")
+        assert not any(isinstance(p, DTensor) for p in net.parameters()), message
+
+
+def clip_policies_and_order_0_match_ddp(rank, world):
+    """ZClip and AutoClip (the total norm through the DTensor path, the policy's coefficient
+    folded into fused AdamW), and order 0 (a count of non-zero gradients: no loss scale
+    changes it), give DDP's numbers."""
+    cases = [
+        dict(max_grad_norm=None, clip="zclip", clip_options={"warmup_steps": 1, "max_grad_norm": None}),
+        dict(max_grad_norm=None, clip="autoclip"),
+        dict(norm_type=0.0, max_grad_norm=2.0),
+        dict(norm_type=0.0, max_grad_norm=2.0, precision="fp16"),
+    ]
+    for case in cases:
+        precision = case.pop("precision", "fp32")
+        _, rows, weights = train("fsdp", precision, rank, world, **case)
+        _, ddp_rows, ddp_weights = train("ddp", precision, rank, world, **case)
+        for key in ("loss", "grad_norm", "clip_coef"):
+            mine, theirs = [r[key] for r in rows], [r[key] for r in ddp_rows]
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=0, msg=f"{key} {case}")
+        if case.get("norm_type") == 0:
+            assert all(r["clip_coef"] < 1 for r in rows), rows  # 8 non-zero tensors, clipped to 2
+        for a, b in zip(weights, ddp_weights, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=str(case))

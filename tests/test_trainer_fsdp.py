@@ -4,10 +4,15 @@ machine only), against DDP and one process on the combined batch. Scenarios in
 
 from __future__ import annotations
 
+import dataclasses
+
 import fsdp_scenarios
 import multiprocess
 import pytest
+import torch
 import torch.distributed as dist
+
+from gradfuse.train import TrainConfig, Trainer
 
 pytestmark = [
     pytest.mark.slow,
@@ -17,6 +22,12 @@ pytestmark = [
 SCENARIOS = [
     "fsdp_matches_ddp_and_one_process_fp32",
     "fsdp_matches_ddp_and_one_process_bf16",
+    "fsdp_matches_ddp_fp16_with_loss_scaling",
+    "clip_norm_equals_torch_on_the_same_fsdp_model",
+    "communication_only_on_the_last_micro_step",
+    "an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank",
+    "bad_settings_raise_before_anything_is_sharded",
+    "clip_policies_and_order_0_match_ddp",
 ]
 
 
@@ -32,3 +43,41 @@ def test_every_scenario_is_listed():
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_two_ranks(results, name):
     multiprocess.assert_passed(results[name])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        (dict(parallel="zero"), ValueError, "TrainConfig.parallel must be one of 'ddp', 'fsdp', got 'zero'"),
+        (dict(parallel="fsdp", fsdp_units="Block"), TypeError, "TrainConfig.fsdp_units must be a list of module class"),
+        (dict(parallel="fsdp", fsdp_units=[1]), TypeError, "TrainConfig.fsdp_units must be a list of module class"),
+        (dict(parallel="fsdp", reshard_after_forward=1), TypeError, "TrainConfig.reshard_after_forward must be True"),
+        (dict(parallel="fsdp", cpu_offload="yes"), TypeError, "TrainConfig.cpu_offload must be True or False"),
+        (dict(fsdp_units=["Block"]), ValueError, "TrainConfig.fsdp_units applies to parallel='fsdp' only"),
+        (dict(reshard_after_forward=False), ValueError, "TrainConfig.reshard_after_forward applies to parallel="),
+        (dict(cpu_offload=True), ValueError, "TrainConfig.cpu_offload applies to parallel='fsdp' only"),
+        (dict(parallel="fsdp", clip="agc", max_grad_norm=None), ValueError, "TrainConfig.clip is 'agc'"),
+        (dict(parallel="fsdp", log_grad_norms=1), ValueError, "TrainConfig.log_grad_norms .per-module norms"),
+    ],
+)
+def test_bad_parallel_settings_name_the_field(overrides, error, message):
+    with pytest.raises(error, match=message):
+        TrainConfig(**overrides)
+    with pytest.raises(error, match=message):  # replace() checks again
+        dataclasses.replace(TrainConfig(), **overrides)
+
+
+def test_one_process_with_parallel_fsdp_trains_the_plain_model():
+    """No process group: nothing to shard over; the run is the DDP setting's, bit for bit."""
+    batches = fsdp_scenarios.my_share(fsdp_scenarios.combined_batches(6, 4), 0, 1)
+    weights = []
+    for parallel in ("fsdp", "ddp"):
+        net = fsdp_scenarios.model()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+        units = ["Block"] if parallel == "fsdp" else []
+        cfg = fsdp_scenarios.settings(parallel=parallel, fsdp_units=units)
+        trainer = Trainer(net, opt, batches, cfg, loss_fn=fsdp_scenarios.mse)
+        trainer.fit()
+        assert not getattr(trainer.grads, "sharded", False)
+        weights.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))

@@ -6,7 +6,8 @@ layers, width 128, context 128, ~0.8M parameters) trained with ``gradfuse.Traine
 AdamW (fused), warmup + cosine schedule, clipping folded into the optimizer, a progress bar,
 metrics as JSON lines, a checkpoint, and a chart of the loss, gradient norm and learning rate.
 About a minute on 2 CPU cores at the default ``--steps``. Under ``torchrun`` it trains
-data-parallel (each rank on its share of the text, ``DistributedSampler``).
+data-parallel (each rank on its share of the text, ``DistributedSampler``): through DDP, or with
+``--parallel fsdp`` sharded by FSDP2, each transformer block a unit of its own.
 """
 
 from __future__ import annotations
@@ -166,6 +167,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=16, help="sequences of 128 bytes per step (default: 16)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--parallel",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="under torchrun: ddp (replicated model) or fsdp (FSDP2, the model sharded per block); default: ddp",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -203,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     eval_batches = list(torch.utils.data.DataLoader(eval_windows, batch_size=64))
 
     model = GPT(gpt)
+    sharded = args.parallel == "fsdp" and world > 1  # one process trains the plain model (train/fsdp.py)
     fused = torch.device(device).type in ("cpu", "cuda")
     decay = [p for p in model.parameters() if p.dim() == 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -220,17 +228,21 @@ def run(args: argparse.Namespace) -> int:
         lr_schedule="cosine",
         warmup_steps=min(50, args.steps // 10),
         min_lr_ratio=0.1,
-        checkpoint_dir=out / "checkpoints",
-        save_every=max(1, args.steps // 2),
+        checkpoint_dir=out / "checkpoints" if args.parallel != "fsdp" else None,  # sharded checkpoints: not yet
+        save_every=max(1, args.steps // 2) if args.parallel != "fsdp" else None,
         keep_last=2,
         log_every=10,
-        log_grad_norms=2,  # per-block gradient norms in the rows (and the chart): blocks.0, wte, ...
+        # Per-block gradient norms in the rows (and the chart): blocks.0, wte, ... (whole tensors: not
+        # under FSDP2, whose ranks each hold a shard of every tensor).
+        log_grad_norms=2 if args.parallel != "fsdp" else None,
         metrics_path=out / "metrics.jsonl",
         eval_every=max(10, args.steps // 5),
         seed=args.seed,
         device=device,
+        parallel=args.parallel,
+        fsdp_units=["Block"] if args.parallel == "fsdp" else [],
     )
-    where = f"{device}" if world == 1 else f"{world} ranks ({device})"
+    where = f"{device}" if world == 1 else f"{world} ranks ({device}, {args.parallel})"
     say(
         f"gradfuse demo: a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter character-level "
         f"transformer on {len(text) / 2**20:.1f} MiB of the Python standard library's source, {args.steps} steps "
@@ -251,19 +263,23 @@ def run(args: argparse.Namespace) -> int:
         )
         return 130  # the shell's status for a run stopped by Ctrl-C
     elapsed = time.perf_counter() - start
+    # Under FSDP2 every forward gathers the shards from every rank: all ranks generate the sample.
+    sample = model.generate(b"def ", 120, seed=args.seed) if rank == 0 or sharded else b""
     if rank != 0:
         return 0
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     chart = write_chart(out / "curves.png", rows, config.max_grad_norm)
-    sample = model.generate(b"def ", 120, seed=args.seed).decode("utf-8", errors="replace")
+    sample = sample.decode("utf-8", errors="replace")
     first, last = rows[0], rows[-1]
     say(
         f"\nloss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}), "
         f"held-out loss {last.get('eval_loss', math.nan):.3f} (uniform guessing: {math.log(256):.3f}); "
         f"{elapsed:.0f} s\n\nsample:\ndef {sample}\n"
     )
-    written = [out / "metrics.jsonl", latest_checkpoint(out / "checkpoints")]
+    written = [out / "metrics.jsonl"]
+    if config.checkpoint_dir is not None:
+        written.append(latest_checkpoint(config.checkpoint_dir))
     if chart is not None:
         written.append(chart)
     say("wrote " + ", ".join(str(p) for p in written))

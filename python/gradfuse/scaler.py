@@ -115,6 +115,22 @@ def _local_norm_and_flag(shards: list[Tensor], inv_scale: Tensor, norm_type: flo
     return torch.linalg.vector_norm(per_tensor.to(device), norm_type), found
 
 
+def _plain(total: Tensor) -> Tensor:
+    """A norm as a plain tensor: torch gives DTensor gradients' norm as a DTensor (replicated,
+    or partial where it is still to be reduced: ``full_tensor`` gives the value either way)."""
+    return total.full_tensor() if D.is_dtensor(total) else total
+
+
+def _measures_norm_only(policy) -> bool:
+    """Whether a clipping policy needs nothing but the total norm (ZClip, AutoClip): not the
+    per-unit norms of AGC nor the per-tensor statistics of a probe."""
+    return (
+        hasattr(policy, "clip_coef")
+        and not hasattr(policy, "unscale_and_clip_grads_")
+        and not (hasattr(policy, "observe_stats"))
+    )
+
+
 def _scale_in_place(tensors: list[Tensor], factor: Tensor) -> None:
     """``t *= factor`` for every tensor: one fused pass per device, torch's where it cannot."""
     groups = _fused_groups(tensors, one_device=False) if tensors else {}
@@ -236,7 +252,8 @@ class GradScaler(torch.amp.GradScaler):
         groups = _fused_groups(grads, one_device=False) if grads else None
         if groups is None:
             if grads and D.is_dtensor(grads[0]):  # FSDP2, tensor parallel: their local shards
-                total = self._unscale_and_clip_dtensor(optimizer, grads, max_norm, norm_type, divisor)
+                coef_of = functools.partial(clip_coef, max_norm=max_norm)
+                total = self._unscale_and_clip_dtensor(optimizer, grads, coef_of, norm_type, divisor)
                 if total is not None:
                     return total
             return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type, divisor)
@@ -286,7 +303,8 @@ class GradScaler(torch.amp.GradScaler):
         ``scale / clip_coef`` as it reads; otherwise one write pass over DDP's bucket buffers."""
         found = hook.found_inf().clone()  # torch's update() adds the other optimizers' flags into it
         with torch.no_grad():
-            total = hook.total_norm() * inv_scale
+            # Order 0 counts the non-zero gradients: a count that no scale changes.
+            total = hook.total_norm() * inv_scale if hook.norm_type != 0 else hook.total_norm().clone()
             coef = clip_coef(total, max_norm)
             if _folds(optimizer):
                 grad_scale = (scale / coef).float()
@@ -320,6 +338,10 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled:
             _refuse_fp16(grads)
         groups = _fused_groups(grads, one_device=False) if grads else None
+        if groups is None and grads and D.is_dtensor(grads[0]) and _measures_norm_only(policy):
+            total = self._unscale_and_clip_dtensor(optimizer, grads, policy.clip_coef, norm_type, divisor)
+            if total is not None:
+                return total
         unscale_and_clip = getattr(policy, "unscale_and_clip_grads_", None)  # per-unit (AGC)
         if groups is not None and unscale_and_clip is not None:
             try:  # its own two passes, the unscale folded into the clip's write
@@ -347,8 +369,8 @@ class GradScaler(torch.amp.GradScaler):
                         p.grad.div_(torch.as_tensor(divisor, device=p.grad.device))
             if self._enabled:
                 self.unscale_(optimizer)
-                return policy.clip_grads_(params, norm_type)
-            total = policy.clip_grads_(params, norm_type)
+                return _plain(policy.clip_grads_(params, norm_type))
+            total = _plain(policy.clip_grads_(params, norm_type))
             self._record(optimizer, {total.device: (~torch.isfinite(total)).float()}, None)
             return total
         total, found = measured
@@ -388,32 +410,38 @@ class GradScaler(torch.amp.GradScaler):
                 norms.append(norm)
             return _combine_totals(norms, norm_type), found
 
-    def _unscale_and_clip_dtensor(self, optimizer, grads: list[Tensor], max_norm: float, norm_type: float, divisor):
-        """``unscale_and_clip_`` for DTensor gradients (FSDP2, tensor parallel). A read-only
-        pass over this rank's local shards gives their unscaled norm and inf/NaN flag; one
-        all-reduce per set of sharded mesh dimensions combines both (``combine_norm_and_flag``),
-        so every rank has the same norm and the same verdict on skipping the step; then the clip
-        joins the unscale factor as for plain gradients: inside the fused optimizer's read
-        (torch's fused AdamW takes DTensor parameters with a plain ``grad_scale``), or one write
-        pass over the shards. Returns the norm as a plain 0-d tensor, or None (nothing done)
-        where torch must answer: ``Partial`` placements, several meshes, order 0."""
+    def _unscale_and_clip_dtensor(self, optimizer, grads: list[Tensor], coef_of, norm_type: float, divisor):
+        """``unscale_and_clip_`` for DTensor gradients (FSDP2, tensor parallel), the clip
+        coefficient given by ``coef_of(total_norm)``. A read-only pass over this rank's local
+        shards gives their unscaled norm and inf/NaN flag; one all-reduce per set of sharded
+        mesh dimensions combines both (``combine_norm_and_flag``; order 0, a count, takes a
+        second), so every rank has the same norm and the same verdict on skipping the step;
+        then the coefficient joins the unscale factor as for plain gradients: inside the fused
+        optimizer's read (torch's fused AdamW takes DTensor parameters with a plain
+        ``grad_scale``), or one write pass over the shards. Returns the norm as a plain 0-d
+        tensor, or None (nothing done) where torch must answer: ``Partial`` placements or
+        several meshes."""
         spec = D.dtensor_locals(grads)
-        if spec is None or norm_type == 0:
+        if spec is None:
             return None
         mesh, by_dims = spec
         device = next(t for shards in by_dims.values() for t in shards).device
         scale, inv_scale = self._scales(device, divisor)
         with torch.no_grad():
             # Every rank measures first and then joins the same all-reduces, whatever its shards.
-            local = [_local_norm_and_flag(shards, inv_scale, norm_type, device) for shards in by_dims.values()]
+            local = [_local_norm_and_flag(shards, inv_scale, norm_type or 1.0, device) for shards in by_dims.values()]
             totals, flags = [], []
-            for dims, (norm, found) in zip(by_dims, local, strict=True):
-                norm, found = D.combine_norm_and_flag(norm, found, norm_type, [mesh.get_group(d) for d in dims])
+            for (dims, shards), (norm, found) in zip(by_dims.items(), local, strict=True):
+                groups = [mesh.get_group(d) for d in dims]
+                norm, found = D.combine_norm_and_flag(norm, found, norm_type or 1.0, groups)
+                if norm_type == 0:  # a tensor counts once however it is sharded
+                    counts = torch.stack([torch.count_nonzero(t).to(device) for t in shards]).float()
+                    norm = D.count_nonzero_across(counts, groups)
                 totals.append(norm)
                 flags.append(found)
             total = _combine_totals(totals, norm_type)
             found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
-            coef = clip_coef(total, max_norm)
+            coef = coef_of(total).to(device)
             grad_scale = None
             if _folds(optimizer):
                 grad_scale = (scale / coef).float()
@@ -433,7 +461,7 @@ class GradScaler(torch.amp.GradScaler):
         if divisor is not None:  # no fused pass to fold it into here: one more
             for p in params:
                 p.grad.div_(torch.as_tensor(divisor, device=p.grad.device))
-        total = clip_grad_norm_(params, max_norm, norm_type)
+        total = _plain(clip_grad_norm_(params, max_norm, norm_type))
         if self._enabled:
             return total
         found = (~torch.isfinite(total)).float()

@@ -41,6 +41,7 @@ from .callbacks import Callbacks
 from .config import TrainConfig
 from .data import BatchStream, batch_size, to_device, token_count
 from .distributed import connect, training_device
+from .fsdp import local_shard
 from .health import LayerStatsProbe, SpikeSkipper, clip_policy, module_prefix
 from .interrupt import StopSignals, TrainingInterrupted
 from .metrics import Metrics, Throughput, check_tensorboard, peak_memory_mb
@@ -369,17 +370,20 @@ class Trainer:
         return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
     def _nonfinite_grad_names(self) -> list[str]:
-        """The parameters whose gradients hold inf or NaN, from the per-tensor norms."""
-        by_device: dict[torch.device, list[torch.nn.Parameter]] = {}
-        for p in self.param_names:
-            if p.grad is not None:
-                by_device.setdefault(p.grad.device, []).append(p)
-        names = []
-        for params in by_device.values():
-            _, per_tensor = multi_tensor_norm([p.grad for p in params], per_tensor=True)
-            finite = torch.isfinite(per_tensor).tolist()
-            names += [self.param_names[p] for p, ok in zip(params, finite, strict=True) if not ok]
-        return names
+        """The parameters whose gradients hold inf or NaN, from the per-tensor norms (under
+        FSDP2: of each rank's shards, then agreed across the ranks)."""
+        params = [p for p in self.param_names if p.grad is not None]
+        grads = [local_shard(p.grad) for p in params]
+        by_device: dict[torch.device, list[int]] = {}
+        for i, g in enumerate(grads):
+            by_device.setdefault(g.device, []).append(i)
+        bad = torch.zeros(len(params), device=self.device)
+        for indices in by_device.values():
+            _, per_tensor = multi_tensor_norm([grads[i] for i in indices], per_tensor=True)
+            bad[indices] = (~torch.isfinite(per_tensor)).float().to(self.device)
+        if getattr(self.grads, "sharded", False):
+            dist.all_reduce(bad, dist.ReduceOp.MAX, group=self.world.group)
+        return [self.param_names[p] for p, flag in zip(params, bad.tolist(), strict=True) if flag]
 
     # --- the loop ---------------------------------------------------------------------------
 
