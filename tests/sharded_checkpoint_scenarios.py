@@ -262,12 +262,11 @@ def fsdp_trainer_resumes_exactly(rank, world):
     _resumes_exactly(rank, world, "trainer-resume")
 
 
-def fsdp_trainer_with_zclip_resumes_exactly(rank, world):
-    """The same with the state of a clipping policy (device tensors) in the checkpoint: ZClip's
-    statistics continue as they were."""
-    _resumes_exactly(
-        rank, world, "trainer-resume-zclip", max_grad_norm=None, clip="zclip", clip_options={"warmup_steps": 1}
-    )
+def fsdp_trainer_with_zclip_and_spike_skipping_resumes_exactly(rank, world):
+    """The same with the state of a clipping policy and of spike skipping (device tensors) in
+    the checkpoint: ZClip's statistics and the spike windows continue as they were."""
+    health = dict(max_grad_norm=None, clip="zclip", clip_options={"warmup_steps": 1}, skip_spikes=(3, 4.0, 2))
+    _resumes_exactly(rank, world, "trainer-resume-health", **health)
 
 
 def _resumes_exactly(rank: int, world: int, name: str, **overrides) -> None:

@@ -32,7 +32,7 @@ SCENARIOS = [
     "saved_for_one_rank",
     "one_rank_checkpoint_loads_on_two",
     "fsdp_trainer_resumes_exactly",
-    "fsdp_trainer_with_zclip_resumes_exactly",
+    "fsdp_trainer_with_zclip_and_spike_skipping_resumes_exactly",
     "fsdp_trainer_saved_for_one_rank",
     "fsdp_trainer_resumes_a_one_rank_checkpoint",
 ]
