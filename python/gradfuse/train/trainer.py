@@ -574,7 +574,9 @@ class Trainer:
             group, world = getattr(self.world, "group", None), self.world
             load = functools.partial(sharded_checkpoint.load_model_and_optimizer, path, self.model, group=group)
             changed += resuming.keep_optimizer_settings(self.optimizer, load)
-            own = sharded_checkpoint.rank_part(state["ranks"], world.rank, world.world_size, announce=world.is_main)
+            own = sharded_checkpoint.rank_part(
+                state["ranks"], world.rank, world.world_size, announce=world.is_main, where=f" from {path}"
+            )
             state = {**state, **own}
         else:
             if getattr(self.grads, "sharded", False):
