@@ -129,6 +129,8 @@ def round_trip_on_two_ranks(rank, world):
     for mine, theirs in zip(again.parameters(), net.parameters(), strict=True):  # this rank's own shard
         assert torch.equal(mine.to_local(), theirs.to_local())
     assert state["step"] == 3 and state["note"] == "shared" and state["world_size"] == 2
+    recorded = [name for part in state["ranks"] for name in part["files"]]  # each shard's CRC-32, once
+    assert sorted(recorded) == ["__0_0.distcp", "__1_0.distcp"], recorded
     part = sharded_checkpoint.rank_part(state["ranks"], rank, world)
     assert part["data"] == own["data"] and torch.equal(part["rng"]["torch"], own["rng"]["torch"])
     # Training on from the loaded state equals training on from the saved one.

@@ -211,3 +211,25 @@ def test_a_job_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, poin
     scenarios.assert_same(scenarios.full_state(net, opt), torch.load(tmp_path / "full-step-1.pt", weights_only=True))
     sharded_checkpoint.save(folder, 2, net, opt, keep_last=5)
     assert not leftover.exists() and [p.name for p in list_checkpoints(folder)] == ["step-00000001", "step-00000002"]
+
+
+def test_the_data_position_re_split_rule():
+    state = torch.get_rng_state()
+    ahead = {"epoch": 3, "position": 1, "epoch_rng_state": torch.zeros(1, dtype=torch.uint8)}
+    behind = [{"epoch": 2, "position": p, "epoch_rng_state": state} for p in (4, 5, 6)]
+    # The epoch of the ranks furthest behind; their 15 batches over 2 ranks, rounded down.
+    split = sharded_checkpoint.resplit_data([*behind, ahead], 2)
+    assert (split["epoch"], split["position"]) == (2, 7) and torch.equal(split["epoch_rng_state"], state)
+    assert sharded_checkpoint.resplit_data(behind, 4)["position"] == 3
+    fresh = {"epoch": 0, "position": 0, "epoch_rng_state": None}  # saved before any batch
+    assert sharded_checkpoint.resplit_data([fresh, fresh], 1) == fresh
+
+
+def test_a_data_position_past_the_end_is_refused():
+    from gradfuse.train.data import BatchStream
+
+    stream = BatchStream([1, 2, 3])
+    stream.next()
+    saved = {**stream.state_dict(), "position": 5}
+    with pytest.raises(ValueError, match="train_data has 3 batches in epoch 0, and the checkpoint's data position"):
+        BatchStream([1, 2, 3]).load_state_dict(saved)

@@ -107,7 +107,9 @@ def save(
     def commit():
         checkpoint.fsync_directory(temp)  # the entries of every rank's files
         replaced = None
-        if final.exists():  # the same step saved again: the old folder goes once the new is in place
+        # The same step saved again: the old folder is moved aside, then deleted once the new one
+        # is in place (a kill between the two renames leaves the older checkpoints, not this step).
+        if final.exists():
             replaced = checkpoint.temporary_folder(directory, final.name + "-replaced")
             os.replace(final, replaced)
         os.replace(temp, final)
