@@ -68,15 +68,16 @@ def full(params) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() if isinstance(p, DTensor) else p.detach().clone() for p in params]
 
 
-def train(parallel: str, precision: str, rank: int, world: int, optimizer=None, **overrides):
+def train(parallel: str, precision: str, rank: int, world: int, optimizer=None, loss_fn=mse, **overrides):
     """(trainer, rows, the whole weights after) of a Trainer run on this rank's share."""
     net = model()
     opt = (optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True)))(net.parameters())
-    if parallel == "ddp":
-        overrides["fsdp_units"] = []
+    if parallel == "ddp":  # the FSDP2 settings are refused under DDP
+        overrides = {**overrides, "fsdp_units": []}
+        overrides.pop("reshard_after_forward", None)
     cfg = settings(parallel=parallel, precision=precision, **overrides)
     batches = my_share(combined_batches(STEPS * ACCUM, PER_RANK * world), rank, world)
-    trainer = Trainer(net, opt, batches, cfg, loss_fn=mse)
+    trainer = Trainer(net, opt, batches, cfg, loss_fn=loss_fn)
     rows = trainer.fit()
     return trainer, rows, full(net.parameters())
 
@@ -283,15 +284,28 @@ def bad_settings_raise_before_anything_is_sharded(rank, world):
         assert not any(isinstance(p, DTensor) for p in net.parameters()), message
 
 
-def clip_policies_and_order_0_match_ddp(rank, world):
-    """ZClip and AutoClip (the total norm through the DTensor path, the policy's coefficient
-    folded into fused AdamW), and order 0 (a count of non-zero gradients: no loss scale
-    changes it), give DDP's numbers."""
+def summed_squares(model, batch):
+    """``loss_normalization="tokens"``: the summed loss and the rows it counts (3 of 4 here)."""
+    x, y = batch
+    rows = (model(x).float() - y).pow(2).sum(-1)[:3]
+    return rows.sum(), torch.tensor(3)
+
+
+def other_trainer_features_match_ddp(rank, world):
+    """The rest of the Trainer under FSDP2 gives DDP's losses, norms, clip coefficients and
+    weights: ZClip and AutoClip (the total norm through the DTensor path, the policy's
+    coefficient folded into fused AdamW), order 0 (a count of non-zero gradients, which no loss
+    scale changes), token-exact accumulation (the divisor folded into the unscale factor),
+    spike skipping, activation checkpointing of the units, and reshard_after_forward=False."""
     cases = [
         dict(max_grad_norm=None, clip="zclip", clip_options={"warmup_steps": 1, "max_grad_norm": None}),
         dict(max_grad_norm=None, clip="autoclip"),
         dict(norm_type=0.0, max_grad_norm=2.0),
         dict(norm_type=0.0, max_grad_norm=2.0, precision="fp16"),
+        dict(loss_normalization="tokens", loss_fn=summed_squares),
+        dict(skip_spikes=(8, 6.0, 2)),
+        dict(activation_checkpointing=["Block"]),
+        dict(reshard_after_forward=False),
     ]
     for case in cases:
         precision = case.pop("precision", "fp32")
@@ -304,3 +318,25 @@ def clip_policies_and_order_0_match_ddp(rank, world):
             assert all(r["clip_coef"] < 1 for r in rows), rows  # 8 non-zero tensors, clipped to 2
         for a, b in zip(weights, ddp_weights, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=str(case))
+
+
+def the_optimizer_is_carried_over_group_by_group(rank, world):
+    """Two param groups with their own settings: after the Trainer is made, each group holds
+    the sharded parameters of the same names (the same list objects, changed in place), with
+    its settings as they were."""
+    net = model()
+    names = [name for name, _ in net.named_parameters()]
+    decay = [p for p in net.parameters() if p.dim() == 2]
+    no_decay = [p for p in net.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "lr": 5e-3}], lr=1e-2)
+    lists = [group["params"] for group in opt.param_groups]
+    expected = [[n for n in names if n.endswith("weight")], [n for n in names if n.endswith("bias")]]
+    batches = my_share(combined_batches(2, 2 * world), rank, world)
+    trainer = Trainer(net, opt, batches, settings(lr=None, max_grad_norm=None), loss_fn=mse)
+    by_id = {id(p): name for name, p in trainer.model.named_parameters()}
+    assert all(isinstance(p, DTensor) for p in trainer.model.parameters())
+    for group, before, want in zip(opt.param_groups, lists, expected, strict=True):
+        assert group["params"] is before
+        assert [by_id.get(id(p)) for p in group["params"]] == want, (group["params"], want)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.01]
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 5e-3]

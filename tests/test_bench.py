@@ -32,6 +32,7 @@ CPU_WORKLOADS = {
     "buckets_2000x4096_fp32_active": (2000, 3),
     "buckets_2000x4096_fp32_inactive": (2000, 1),
     "ddp_transformer_fp32": (29, 1),  # the quick model's parameters; bytes: the gradients reduced
+    "fsdp_transformer_fp32": (29, 1),  # the same model, sharded by FSDP2; bytes: its gradients
     "step_gpt2_fp32_active": (148, 8),  # the norm's read, then AdamW's 4 reads and 3 writes
     "trainer_gpt2small_fp32": (28, 1),  # the quick model's parameters; bytes: its gradients
     "stats_gpt2_fp32": (148, 1),  # one read
@@ -127,6 +128,11 @@ def test_every_workload_has_torch_and_gradfuse_and_consistent_speedups(quick_run
     # fused AdamW's 7 passes, which are all gradfuse has left (the hook measured in backward).
     for impl, passes in (("torch", 10), ("gradfuse", 7)):
         assert ddp[impl]["after_backward_bytes"] == passes * ddp[impl]["numel"] * 4
+    fsdp = by_workload["fsdp_transformer_fp32"]
+    parts = {f"{impl}{part}" for impl in ("torch", "gradfuse") for part in ("", ":after_backward", ":clip")}
+    assert set(fsdp) == {*parts, "trainer"}
+    for record in fsdp.values():  # per rank: FSDP2 holds half of what DDP holds on 2 ranks (a shard of each)
+        assert 0.4 < record["state_mb"] / record["ddp_state_mb"] < 0.6, record
     assert set(by_workload["trainer_gpt2small_fp32"]) == {
         "torch", "gradfuse", "gradfuse_tokens", "torch:grads", "gradfuse:grads",
     }  # fmt: skip

@@ -27,7 +27,8 @@ SCENARIOS = [
     "communication_only_on_the_last_micro_step",
     "an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank",
     "bad_settings_raise_before_anything_is_sharded",
-    "clip_policies_and_order_0_match_ddp",
+    "other_trainer_features_match_ddp",
+    "the_optimizer_is_carried_over_group_by_group",
 ]
 
 
@@ -78,6 +79,27 @@ def test_one_process_with_parallel_fsdp_trains_the_plain_model():
         cfg = fsdp_scenarios.settings(parallel=parallel, fsdp_units=units)
         trainer = Trainer(net, opt, batches, cfg, loss_fn=fsdp_scenarios.mse)
         trainer.fit()
-        assert not getattr(trainer.grads, "sharded", False)
+        assert trainer.grads.sharded is False
         weights.append([p.detach().clone() for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf"), -1.0])
+def test_a_ranks_shards_the_kernels_cannot_run_are_measured_by_torch(monkeypatch, norm_type):
+    """The DTensor clip measures each rank's shards before the all-reduce every rank must join:
+    shards the fused kernels refuse (on one rank only, say) are measured with torch's ops
+    instead, to the same norm of the unscaled shards and the same inf/NaN flag."""
+    from gradfuse import scaler
+
+    gen = torch.Generator().manual_seed(3)
+    shards = [torch.randn(n, generator=gen) for n in (5, 0, 17, 1)]
+    inv_scale = torch.tensor(0.25)
+    fused = scaler._local_norm_and_flag(shards, inv_scale, norm_type, torch.device("cpu"))
+    monkeypatch.setattr(scaler, "_fused_groups", lambda tensors, one_device: None)
+    by_torch = scaler._local_norm_and_flag(shards, inv_scale, norm_type, torch.device("cpu"))
+    expected = torch.linalg.vector_norm(torch.cat([s.double() for s in shards]) * 0.25, norm_type).float()
+    torch.testing.assert_close(fused[0], expected, rtol=1e-6, atol=0)  # fp32 sums of 23 elements
+    torch.testing.assert_close(by_torch[0], expected, rtol=1e-6, atol=0)
+    assert fused[1].item() == by_torch[1].item() == 0.0
+    shards[2][4] = float("nan")
+    assert scaler._local_norm_and_flag(shards, inv_scale, norm_type, torch.device("cpu"))[1].item() == 1.0

@@ -21,6 +21,10 @@ state dict saved by either loads into the other. Two things change:
   ``inv_scale``, ``found_inf`` the hook's), and the write pass, if any, runs over DDP's buckets.
   The same holds without clipping: ``step`` on such an optimizer takes the hook's ``found_inf``,
   and ``unscale_`` runs over the buckets.
+  DTensor gradients (FSDP2, tensor parallel) are read as their local shards, and one
+  all-reduce gives every rank the total norm and the inf/NaN flag together, so that all ranks
+  clip alike and skip alike; torch's fused AdamW takes DTensor parameters, and the clip is
+  folded into its read as for plain gradients.
 
 Clipping without loss scaling (bf16 or fp32 training) is the same call on a disabled scaler,
 ``GradScaler(enabled=False)``: ``scale`` returns the loss unchanged, ``update`` does nothing,
@@ -124,11 +128,8 @@ def _plain(total: Tensor) -> Tensor:
 def _measures_norm_only(policy) -> bool:
     """Whether a clipping policy needs nothing but the total norm (ZClip, AutoClip): not the
     per-unit norms of AGC nor the per-tensor statistics of a probe."""
-    return (
-        hasattr(policy, "clip_coef")
-        and not hasattr(policy, "unscale_and_clip_grads_")
-        and not (hasattr(policy, "observe_stats"))
-    )
+    per_unit, per_tensor = hasattr(policy, "unscale_and_clip_grads_"), hasattr(policy, "observe_stats")
+    return hasattr(policy, "clip_coef") and not per_unit and not per_tensor
 
 
 def _scale_in_place(tensors: list[Tensor], factor: Tensor) -> None:

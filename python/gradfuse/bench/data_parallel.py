@@ -59,7 +59,7 @@ def _batch(rank: int, step: int, quick: bool, device: torch.device):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _worker(rank, init_file, out_file, quick, reps, budget_s, device_type):
+def _worker(rank, init_file, out_file, quick, reps, budget_s, device_type, measure=None):
     torch.set_num_threads(1)  # two ranks on the machine's cores
     backend = "nccl" if device_type == "cuda" else "gloo"
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
@@ -68,7 +68,7 @@ def _worker(rank, init_file, out_file, quick, reps, budget_s, device_type):
     timeout = datetime.timedelta(seconds=120)  # a rank left waiting fails instead of hanging
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=timeout)
     try:
-        result = _measure(rank, quick, reps, budget_s, device)
+        result = (measure or _measure)(rank, quick, reps, budget_s, device)
     except Exception as err:  # reported by the parent
         result = {"error": f"rank {rank}: {type(err).__name__}: {err}"}
     Path(f"{out_file}.{rank}").write_bytes(pickle.dumps(result))
@@ -171,7 +171,10 @@ def _measure(rank: int, quick: bool, reps: int | None, budget_s: float, device: 
     return {"times": times, "n_tensors": len(params), "numel": sum(p.numel() for p in params)}
 
 
-def run_ddp(workload: Workload, device: Device, reps: int | None) -> WorkloadResult:
+def run_ranks(measure, device: Device, reps: int | None, what: str) -> dict:
+    """``measure(rank, quick, reps, budget_s, device)`` on two spawned ranks (a file rendezvous
+    on this machine; the process group made and destroyed around it); rank 0's result. A rank's
+    error, a dead rank or a run past 600 s is a ``BenchError`` naming ``what``."""
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
@@ -179,7 +182,7 @@ def run_ddp(workload: Workload, device: Device, reps: int | None) -> WorkloadRes
         out_file = os.path.join(tmp, "result")
         ctx = mp.start_processes(
             _worker,
-            args=(os.path.join(tmp, "rendezvous"), out_file, device.quick, reps, device.budget_s, device.type),
+            args=(os.path.join(tmp, "rendezvous"), out_file, device.quick, reps, device.budget_s, device.type, measure),
             nprocs=WORLD,
             join=False,
             start_method="spawn",
@@ -188,9 +191,9 @@ def run_ddp(workload: Workload, device: Device, reps: int | None) -> WorkloadRes
         try:
             while not ctx.join(timeout=5):
                 if time.monotonic() > deadline:
-                    raise BenchError("the 2-rank data-parallel benchmark did not finish in 600 s")
+                    raise BenchError(f"the 2-rank {what} benchmark did not finish in 600 s")
         except ProcessException as err:
-            raise BenchError(f"a rank of the data-parallel benchmark failed: {err}") from None
+            raise BenchError(f"a rank of the {what} benchmark failed: {err}") from None
         finally:
             for process in ctx.processes:
                 if process.is_alive():
@@ -199,7 +202,11 @@ def run_ddp(workload: Workload, device: Device, reps: int | None) -> WorkloadRes
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise BenchError("; ".join(errors))
-    found = results[0]
+    return results[0]
+
+
+def run_ddp(workload: Workload, device: Device, reps: int | None) -> WorkloadResult:
+    found = run_ranks(_measure, device, reps, "data-parallel")
     grad_bytes = found["numel"] * workload.dtype.itemsize
     impls = {}
     for name, times in found["times"].items():

@@ -81,6 +81,10 @@ def run_workload(workload: Workload, device: Device, reps: int | None) -> Worklo
         from .data_parallel import run_ddp
 
         return run_ddp(workload, device, reps)
+    if workload.family == "fsdp":  # the same, the model sharded by FSDP2
+        from .fsdp import run_fsdp
+
+        return run_fsdp(workload, device, reps)
     family = make_family(workload, device.torch_device, device.quick)
     n_sets = device.buffer_sets(family.set_bytes) if family.rotate_sets else 1
     runners = {name: Runner(family, name, fn, n_sets) for name, fn in family.impls().items()}

@@ -22,7 +22,9 @@ from .models import make_model, model_config
 
 Shape = tuple[int, ...]
 
-FAMILIES = ("clip", "buckets", "amp", "accumulate", "ddp", "step", "trainer", "stats", "zclip", "agc", "health")
+FAMILIES = (
+    "clip", "buckets", "amp", "accumulate", "ddp", "fsdp", "step", "trainer", "stats", "zclip", "agc", "health",
+)  # fmt: skip
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 #: Tensor counts of the GPU sweep (the chart of speedup against tensor count); the total
@@ -140,6 +142,7 @@ WORKLOADS: list[Workload] = [
     # Gradients in GradBuckets, and data-parallel backward on 2 ranks against DDP.
     *_both("buckets", "2000x4096", F32),
     Workload("ddp", "transformer", F32),
+    Workload("fsdp", "transformer", F32),  # the same model sharded by FSDP2 on 2 ranks
     # Training steps: clip + fused AdamW under loss scaling, and a whole Trainer step.
     Workload("step", "gpt2", F32, "active"),
     Workload("trainer", "gpt2small", F32),
@@ -160,14 +163,14 @@ WORKLOADS: list[Workload] = [
 
 def available(device_type: str) -> list[Workload]:
     """The workloads run on a device of this type (``cpu`` or ``cuda``), in order. The 2-rank
-    data-parallel workload needs two GPUs on CUDA (NCCL)."""
+    data-parallel and FSDP2 workloads need two GPUs on CUDA (NCCL)."""
     two_ranks = device_type == "cpu" or torch.cuda.device_count() >= 2
     has_zclip = importlib.util.find_spec("zclip") is not None  # the reference ZClip is compared with
     return [
         w
         for w in WORKLOADS
         if (device_type == "cuda" or not w.cuda_only)
-        and (w.family != "ddp" or two_ranks)
+        and (w.family not in ("ddp", "fsdp") or two_ranks)
         and (w.family != "zclip" or has_zclip)
     ]
 

@@ -6,7 +6,7 @@ checkpoints through DCP, one folder every rank writes into), ``data`` (a resumab
 ``metrics`` (JSON lines, TensorBoard, progress, throughput, memory), ``resume`` (which
 checkpoint, and the settings given now over the saved ones), ``callbacks`` (the user's hooks),
 ``interrupt`` (SIGINT/SIGTERM: finish the step, save, stop), ``distributed`` (gradient
-management per process layout).
+management per process layout), ``fsdp`` (the model sharded by FSDP2).
 """
 
 from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint

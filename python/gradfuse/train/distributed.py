@@ -35,6 +35,8 @@ from .fsdp import FSDPGradients
 class LocalGradients:
     """Gradients as autograd leaves them in ``param.grad``; nothing to communicate."""
 
+    sharded = False  # every rank holds whole tensors (FSDPGradients: a shard of each)
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.module = model
         self.optimizer = optimizer

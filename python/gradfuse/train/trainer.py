@@ -111,9 +111,10 @@ class Trainer:
     objects with some of ``on_step_end(row)``, ``on_eval(row)``, ``on_save(path)``.
 
     Under ``torchrun`` (or with a default process group already made) it trains data-parallel:
-    each rank on its own ``train_data``, gradients averaged through ``gradfuse.GradBuckets``,
-    communication on the last micro-step only, and rank 0 alone writes checkpoints and metrics.
-    With ``parallel="fsdp"`` checkpoints are folders every rank writes its shards into
+    each rank on its own ``train_data``, gradients averaged through DDP and gradfuse's hook (or,
+    with ``config.parallel="fsdp"``, the model sharded by FSDP2: ``fsdp.py``), communication on
+    the last micro-step only, and rank 0 alone writes checkpoints and metrics. With
+    ``parallel="fsdp"`` checkpoints are folders every rank writes its shards into
     (``sharded_checkpoint``), and they resume on any world size.
     """
 
@@ -381,7 +382,7 @@ class Trainer:
         for indices in by_device.values():
             _, per_tensor = multi_tensor_norm([grads[i] for i in indices], per_tensor=True)
             bad[indices] = (~torch.isfinite(per_tensor)).float().to(self.device)
-        if getattr(self.grads, "sharded", False):
+        if self.grads.sharded:
             dist.all_reduce(bad, dist.ReduceOp.MAX, group=self.world.group)
         return [self.param_names[p] for p, flag in zip(params, bad.tolist(), strict=True) if flag]
 
