@@ -159,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const="latest",
         metavar="CHECKPOINT",
-        help="continue from a checkpoint file, or (no value) from the newest under --out",
+        help="continue from a checkpoint (a file, or a sharded folder), or (no value) from the newest under --out",
     )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument(
