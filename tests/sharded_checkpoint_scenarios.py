@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from gradfuse.train import TrainConfig, Trainer, checkpoint, sharded_checkpoint
+from gradfuse.train import TrainConfig, Trainer, TrainingInterrupted, checkpoint, sharded_checkpoint
 
 STEPS = 3
 
@@ -312,6 +313,31 @@ def _resumes_exactly(rank: int, world: int, name: str, **overrides) -> None:
     assert got_rows == want_rows[2:], (got_rows, want_rows[2:])
     assert_same(full_state(resumed.model, resumed.optimizer), want)
     assert [p.name for p in checkpoint.list_checkpoints(folder)] == ["step-00000002", "step-00000004"]
+
+
+def a_signal_on_one_rank_saves_a_sharded_checkpoint_on_every_rank(rank, world):
+    """SIGINT reaches rank 1 only, after step 1: both ranks finish step 2, both write their
+    shards of it into one folder, and both raise TrainingInterrupted naming it; a resume
+    continues from it."""
+    folder = shared_folder("signal")
+
+    class SignalOnRank1:
+        def on_step_end(self, row):
+            if rank == 1 and row["step"] == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    trainer = fsdp_trainer(folder, rank, world, save_every=None)
+    trainer.callbacks = type(trainer.callbacks)([SignalOnRank1()])
+    try:
+        trainer.fit()
+        raise AssertionError("fit() ran to the end")
+    except TrainingInterrupted as stop:
+        assert stop.step == trainer.step == 2 and stop.checkpoint == folder / "step-00000002", stop
+        assert str(folder / "step-00000002") in str(stop)
+    assert [p.name for p in checkpoint.list_checkpoints(folder)] == ["step-00000002"]
+    assert checkpoint.load_checkpoint(folder / "step-00000002")["world_size"] == 2
+    resumed = fsdp_trainer(folder, rank, world, resume="latest")
+    assert resumed.step == 2 and [row["step"] for row in resumed.fit()] == [3, 4]
 
 
 def fsdp_trainer_saved_for_one_rank(rank, world):

@@ -33,6 +33,7 @@ SCENARIOS = [
     "one_rank_checkpoint_loads_on_two",
     "fsdp_trainer_resumes_exactly",
     "fsdp_trainer_with_zclip_and_spike_skipping_resumes_exactly",
+    "a_signal_on_one_rank_saves_a_sharded_checkpoint_on_every_rank",
     "fsdp_trainer_saved_for_one_rank",
     "fsdp_trainer_resumes_a_one_rank_checkpoint",
 ]
