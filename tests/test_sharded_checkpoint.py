@@ -234,3 +234,23 @@ def test_a_data_position_past_the_end_is_refused():
     saved = {**stream.state_dict(), "position": 5}
     with pytest.raises(ValueError, match="train_data has 3 batches in epoch 0, and the checkpoint's data position"):
         BatchStream([1, 2, 3]).load_state_dict(saved)
+
+
+def test_an_optimizer_without_state_is_saved_and_loaded_without_one(tmp_path):
+    """torch's get_state_dict gives an optimizer that has not stepped a made-up state (one step
+    at lr 0: AdamW's step count 1). Neither the save nor the load may leave it there: the run
+    would no longer be the one without a checkpoint."""
+    net = scenarios.model(shard=False)
+    opt = scenarios.fresh_optimizer(net)
+    path = sharded_checkpoint.save(tmp_path, 0, net, opt)
+    assert not opt.state
+    again = scenarios.model(shard=False)
+    opt_again = scenarios.fresh_optimizer(again)
+    sharded_checkpoint.load(path, again, opt_again)
+    assert not opt_again.state
+    ref = scenarios.model(shard=False)
+    for model, optimizer in [(net, opt), (again, opt_again), (ref, scenarios.fresh_optimizer(ref))]:
+        model(torch.ones(2, 6)).square().sum().backward()
+        optimizer.step()
+    for a, b, c in zip(net.parameters(), again.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, c) and torch.equal(b, c)  # as if no checkpoint had been written or read

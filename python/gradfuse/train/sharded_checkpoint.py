@@ -77,7 +77,14 @@ def save(
 
     _together(group, rank == 0 and prepare, f"could not start the checkpoint {final}")
     dcp, get_state_dict, _ = _dcp()
+    stepped = bool(optimizer.state)
     model_state, optimizer_state = get_state_dict(model, optimizer)
+    if not stepped:
+        # torch's get_state_dict steps an optimizer that has no state yet once, at lr 0, to have
+        # a state to save (AdamW: step 1, zero moments); training on from it would not be the run
+        # without the save. The made-up state is saved (DCP's load asks for it) but forgotten,
+        # here and after a load.
+        optimizer.state.clear()
     with _single_process_quiet(group):
         metadata = dcp.save(
             {"model": model_state, "optimizer": optimizer_state},
@@ -94,7 +101,10 @@ def save(
         checkpoint.write_file(checkpoint.rank_file(temp, rank), own_part)
         if rank == 0:
             metadata_crc32 = checkpoint.file_crc32(temp / checkpoint.METADATA)
-            shared_part = {"step": step, **(shared or {}), "world_size": world, "metadata_crc32": metadata_crc32}
+            shared_part = {
+                "step": step, **(shared or {}), "world_size": world, "metadata_crc32": metadata_crc32,
+                "optimizer_stepped": stepped,
+            }  # fmt: skip
             checkpoint.write_file(temp / checkpoint.TRAINER_FILE, shared_part)
 
     try:
@@ -144,6 +154,8 @@ def load_model_and_optimizer(folder: str | os.PathLike, model: torch.nn.Module, 
     with _single_process_quiet(group):
         dcp.load(state, checkpoint_id=Path(folder), process_group=group, no_dist=group is None)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if not checkpoint.load_checkpoint(Path(folder) / checkpoint.TRAINER_FILE).get("optimizer_stepped", True):
+        optimizer.state.clear()  # saved before the optimizer had a state (see ``save``)
 
 
 def load(folder: str | os.PathLike, model: torch.nn.Module, optimizer, *, group=None) -> dict:
