@@ -103,3 +103,23 @@ def test_a_ranks_shards_the_kernels_cannot_run_are_measured_by_torch(monkeypatch
     assert fused[1].item() == by_torch[1].item() == 0.0
     shards[2][4] = float("nan")
     assert scaler._local_norm_and_flag(shards, inv_scale, norm_type, torch.device("cpu"))[1].item() == 1.0
+
+
+def test_units_come_innermost_first_without_the_root():
+    """FSDP2 shards a module's descendants before the module: nested units come inner first,
+    and the root, sharded last in any case, is not among them even when its class is named."""
+    from torch import nn
+
+    from gradfuse.train.fsdp import fsdp_units
+
+    class Block(nn.Sequential):
+        pass
+
+    inner, other = Block(nn.Linear(2, 2)), Block(nn.Linear(2, 2))
+    outer = Block(inner, nn.Linear(2, 2))
+    root = Block(outer, other)
+    units = fsdp_units(root, ["Block"])
+    assert len(units) == 3 and {id(u) for u in units} == {id(inner), id(outer), id(other)}
+    assert units.index(inner) < units.index(outer)
+    with pytest.raises(ValueError, match=r"fsdp_units names \['Blok'\].*Block, Linear"):
+        fsdp_units(root, ["Block", "Blok"])
