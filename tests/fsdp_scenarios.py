@@ -261,22 +261,28 @@ def an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(rank, world):
 
 def bad_settings_raise_before_anything_is_sharded(rank, world):
     """An unknown unit, an optimizer that has stepped or that holds another model's parameter,
-    CPU offload without a GPU: each a ValueError naming the problem, the model left unsharded."""
+    CPU offload without a GPU, a model sharded already: each a ValueError naming the problem,
+    the model left unsharded."""
+    from torch.distributed.fsdp import fully_shard
+
     batches = my_share(combined_batches(2, 2 * world), rank, world)
     net = model()
     stepped = torch.optim.AdamW(net.parameters())
     net(batches[0][0]).sum().backward()
     stepped.step()
     stranger = nn.Linear(2, 2)
+    sharded = fully_shard(model())
+    fresh = torch.optim.AdamW(net.parameters())
     cases = [
-        (settings(fsdp_units=["Blok"]), torch.optim.AdamW(net.parameters()), r"fsdp_units names \['Blok'\].*Block"),
-        (settings(), stepped, "optimizer already has state"),
-        (settings(), torch.optim.AdamW([*net.parameters(), stranger.weight]), r"param_groups\[0\].*\(2, 2\)"),
-        (settings(cpu_offload=True), torch.optim.AdamW(net.parameters()), "TrainConfig.cpu_offload.*cpu"),
+        (net, settings(fsdp_units=["Blok"]), fresh, r"fsdp_units names \['Blok'\].*Block"),
+        (net, settings(), stepped, "optimizer already has state"),
+        (net, settings(), torch.optim.AdamW([*net.parameters(), stranger.weight]), r"param_groups\[0\].*\(2, 2\)"),
+        (net, settings(cpu_offload=True), fresh, "TrainConfig.cpu_offload.*cpu"),
+        (sharded, settings(), torch.optim.AdamW(sharded.parameters()), "parameters are DTensors already"),
     ]
-    for cfg, opt, message in cases:
+    for target, cfg, opt, message in cases:
         try:
-            Trainer(net, opt, batches, cfg, loss_fn=mse)
+            Trainer(target, opt, batches, cfg, loss_fn=mse)
         except ValueError as err:
             assert re.search(message, str(err)), (message, str(err))
         else:

@@ -125,6 +125,11 @@ class FSDPGradients:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         # Everything that can be refused is, before the model is changed.
+        if any(hasattr(p, "device_mesh") for p in model.parameters()):
+            raise ValueError(
+                "parallel='fsdp': the model's parameters are DTensors already (sharded by fully_shard or tensor "
+                "parallelism); pass the plain model, and the Trainer shards it as TrainConfig.fsdp_units says"
+            )
         units = fsdp_units(model, config.fsdp_units)
         names = _optimizer_names(model, optimizer)
         device = next(model.parameters()).device
