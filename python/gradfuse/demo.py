@@ -159,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const="latest",
         metavar="CHECKPOINT",
-        help="continue from a checkpoint file, or (no value) from the newest under --out",
+        help="continue from a checkpoint (a file, or a sharded folder), or (no value) from the newest under --out",
     )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument(
@@ -228,8 +228,8 @@ def run(args: argparse.Namespace) -> int:
         lr_schedule="cosine",
         warmup_steps=min(50, args.steps // 10),
         min_lr_ratio=0.1,
-        checkpoint_dir=out / "checkpoints" if args.parallel != "fsdp" else None,  # sharded checkpoints: not yet
-        save_every=max(1, args.steps // 2) if args.parallel != "fsdp" else None,
+        checkpoint_dir=out / "checkpoints",  # under FSDP2: sharded folders (train/sharded_checkpoint.py)
+        save_every=max(1, args.steps // 2),
         keep_last=2,
         log_every=10,
         # Per-block gradient norms in the rows (and the chart): blocks.0, wte, ... (whole tensors: not

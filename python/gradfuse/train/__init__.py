@@ -1,7 +1,8 @@
 """The minimal trainer: ``TrainConfig`` and ``Trainer``, in rooms of their own.
 
 ``config`` (the validated dataclass), ``trainer`` (the loop), ``schedule`` (warmup + decay),
-``checkpoint`` (atomic checksummed files, RNG states), ``data`` (a resumable batch stream),
+``checkpoint`` (atomic checksummed files, RNG states), ``sharded_checkpoint`` (FSDP2's
+checkpoints through DCP, one folder every rank writes into), ``data`` (a resumable batch stream),
 ``metrics`` (JSON lines, TensorBoard, progress, throughput, memory), ``resume`` (which
 checkpoint, and the settings given now over the saved ones), ``callbacks`` (the user's hooks),
 ``interrupt`` (SIGINT/SIGTERM: finish the step, save, stop), ``distributed`` (gradient

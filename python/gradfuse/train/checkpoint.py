@@ -16,6 +16,15 @@ whatever ``torch.utils.serialization.config`` says). ``load_checkpoint`` checks 
 against its CRC before unpickling: bytes overwritten anywhere are a ``CheckpointError``, not
 an optimizer state full of inf and NaN. ``newest_valid_checkpoint`` walks back to the newest
 file that passes.
+
+Sharded checkpoints (``sharded_checkpoint.py``, FSDP2) are folders, ``step-00001000/``,
+committed by one rename of their temporary folder: the files of
+``torch.distributed.checkpoint`` (``.metadata`` and one ``.distcp`` file per rank), the
+Trainer's shared state in ``trainer.pt`` and each rank's own part (RNG, data position) in
+``rank-00000.pt``, ``rank-00001.pt``, ... The last two are written as the files above are; they
+also hold the CRC-32 of the metadata and of each rank's ``.distcp`` files, so a folder is
+checked whole (``verify_folder``) before anything is loaded from it. Files and folders are
+listed, rotated by ``keep_last`` and picked by ``resume="latest"`` together.
 """
 
 from __future__ import annotations
@@ -24,33 +33,45 @@ import contextlib
 import os
 import random
 import re
+import shutil
 import zipfile
+import zlib
 from pathlib import Path
 
 import torch
 
 FORMAT = "gradfuse.Trainer checkpoint"
 VERSION = 1
-_NAME = re.compile(r"^step-(\d+)\.pt$")
+_NAME = re.compile(r"^step-(\d+)(\.pt)?$")  # a file (one process writes it) or a sharded folder
 _TEMP_PREFIX = ".saving-"
 BEST = "best.pt"  # the checkpoint with the lowest eval loss (keep_best), apart from the step-*.pt
+BEST_FOLDER = "best"  # the same, sharded
+# The files of a sharded checkpoint folder besides torch.distributed.checkpoint's own.
+METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shards
+TRAINER_FILE = "trainer.pt"  # the state every rank shares (step, schedule, scaler, counters, config)
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint file that cannot be used: truncated, corrupt, or not written by the Trainer."""
 
 
-def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
-    return Path(directory) / f"step-{step:08d}.pt"
+def checkpoint_path(directory: str | os.PathLike, step: int, sharded: bool = False) -> Path:
+    return Path(directory) / (f"step-{step:08d}" if sharded else f"step-{step:08d}.pt")
+
+
+def rank_file(folder: str | os.PathLike, rank: int) -> Path:
+    """The file of ``rank``'s own state in a sharded checkpoint folder."""
+    return Path(folder) / f"rank-{rank:05d}.pt"
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """The checkpoint files in ``directory``, oldest step first (temporary files are not)."""
+    """The checkpoint files and sharded folders in ``directory``, oldest step first (temporary
+    ones are not)."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found)]
+    found = [(int(m.group(1)), p.name, p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, _, p in sorted(found)]
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -81,10 +102,19 @@ def save_checkpoint(
     An ``OSError`` (a full disk) names the file it could not write."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    for stale in directory.glob(f"{_TEMP_PREFIX}*"):
-        stale.unlink(missing_ok=True)
+    remove_stale_saves(directory)
     final = checkpoint_path(directory, step) if name is None else directory / name
-    temp = directory / f"{_TEMP_PREFIX}{final.name}"
+    write_file(final, state)
+    if name is None:
+        remove_old(directory, keep_last)
+    return final
+
+
+def write_file(final: Path, state: dict) -> None:
+    """Write ``state`` (with the format tag) to ``final`` atomically: a temporary file beside it,
+    CRC-32 on, flushed and fsynced, renamed over ``final``, the folder fsynced. An ``OSError``
+    (a full disk) names the file it could not write."""
+    temp = final.parent / f"{_TEMP_PREFIX}{final.name}"
     try:
         with open(temp, "wb") as f, _crc32_on():
             torch.save({"format": FORMAT, "version": VERSION, **state}, f)
@@ -99,11 +129,40 @@ def save_checkpoint(
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    _fsync_directory(directory)  # make the rename itself durable
-    if name is None:
-        for old in list_checkpoints(directory)[:-keep_last]:
-            old.unlink()
-    return final
+    fsync_directory(final.parent)  # make the rename itself durable
+
+
+def remove_stale_saves(directory: Path) -> None:
+    """Delete what saves that were killed left in ``directory``: temporary files and folders."""
+    for stale in directory.glob(f"{_TEMP_PREFIX}*"):
+        _remove(stale)
+
+
+def remove_old(directory: Path, keep_last: int) -> None:
+    """Delete all but the ``keep_last`` newest checkpoints (files and folders alike)."""
+    for old in list_checkpoints(directory)[:-keep_last]:
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def temporary_folder(directory: str | os.PathLike, final_name: str) -> Path:
+    """Where a sharded checkpoint is written before its rename to ``directory / final_name``."""
+    return Path(directory) / f"{_TEMP_PREFIX}{final_name}"
+
+
+def file_crc32(path: Path) -> int:
+    """The CRC-32 of a whole file, read in 16 MiB pieces."""
+    crc = 0
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 24):
+            crc = zlib.crc32(piece, crc)
+    return crc
 
 
 @contextlib.contextmanager
@@ -141,7 +200,7 @@ def verify_checksums(path: str | os.PathLike) -> None:
         )
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # Windows cannot open a folder; its rename is durable without it
@@ -154,8 +213,13 @@ def _fsync_directory(directory: Path) -> None:
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
     """Read a checkpoint written by ``save_checkpoint``; ``CheckpointError`` with the reason
-    when the file is truncated, corrupt or something else (FileNotFoundError when missing)."""
+    when the file is truncated, corrupt or something else (FileNotFoundError when missing).
+    For a sharded folder: its shared state, with every rank's own part under ``"ranks"``,
+    after the whole folder is checked (``verify_folder``); the model and optimizer are read
+    from it by ``sharded_checkpoint.load_model_and_optimizer``."""
     path = Path(path)
+    if path.is_dir():
+        return verify_folder(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint file at {path}")
     verify_checksums(path)
@@ -175,9 +239,50 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     return state
 
 
+def verify_folder(folder: str | os.PathLike) -> dict:
+    """Check a sharded checkpoint folder whole: ``trainer.pt`` and every rank's file present
+    and CRC-valid, and the metadata and each ``.distcp`` file matching the CRC-32 recorded when
+    it was written. Returns the shared state with the ranks' parts as a list under ``"ranks"``;
+    ``CheckpointError`` naming the file that is missing or corrupt."""
+    folder = Path(folder)
+    shared = _part(folder / TRAINER_FILE, "the Trainer's shared state")
+    if not isinstance(shared.get("world_size"), int) or "metadata_crc32" not in shared:
+        raise CheckpointError(f"{folder / TRAINER_FILE} is not the shared state of a sharded checkpoint")
+    _check_crc(folder / METADATA, shared.get("metadata_crc32"), "torch.distributed.checkpoint's metadata")
+    ranks = []
+    for rank in range(shared["world_size"]):
+        own = _part(rank_file(folder, rank), f"rank {rank}'s state")
+        if own.get("rank") != rank or not isinstance(own.get("files"), dict):
+            raise CheckpointError(f"{rank_file(folder, rank)} is not rank {rank}'s state of a sharded checkpoint")
+        for name, crc in own["files"].items():
+            _check_crc(folder / name, crc, f"rank {rank}'s shard of the model and optimizer")
+        ranks.append(own)
+    return {**shared, "ranks": ranks}
+
+
+def _part(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} ({what}) is missing: {path.parent} is not a complete sharded checkpoint.{_others(path.parent)}"
+        )
+    return load_checkpoint(path)
+
+
+def _check_crc(path: Path, want: int | None, what: str) -> None:
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} ({what}) is missing: {path.parent} is not a complete sharded checkpoint.{_others(path.parent)}"
+        )
+    if file_crc32(path) != want:
+        raise CheckpointError(
+            f"{path} ({what}) is corrupt: its CRC-32 differs from the one recorded when it was written."
+            f"{_others(path.parent)}"
+        )
+
+
 def newest_valid_checkpoint(directory: str | os.PathLike) -> tuple[Path | None, dict | None, list[tuple[Path, str]]]:
-    """The newest checkpoint in ``directory`` that loads: (its path, its state, [(newer file,
-    why it was refused), ...]); (None, None, refused) when none does."""
+    """The newest checkpoint (file or sharded folder) in ``directory`` that loads: (its path,
+    its state, [(newer one, why it was refused), ...]); (None, None, refused) when none does."""
     refused = []
     for path in reversed(list_checkpoints(directory)):
         try:

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
+_END = object()
+
 
 class BatchStream:
     def __init__(self, data: Iterable):
@@ -57,8 +59,13 @@ class BatchStream:
             return
         torch.set_rng_state(state["epoch_rng_state"])
         self._start_epoch()
-        for _ in range(state["position"]):
-            next(self._iterator)
+        for taken in range(state["position"]):
+            if next(self._iterator, _END) is _END:  # the data is shorter than when the position was saved
+                raise ValueError(
+                    f"train_data has {taken} batches in epoch {self.epoch}, and the checkpoint's data position is "
+                    f"batch {state['position']} of it: pass the train_data the run was saved with (after a change "
+                    "of world size, each rank's share of it)"
+                )
         self.position = state["position"]
 
 

@@ -52,6 +52,8 @@ class DDPGradients:
     """Gradients averaged across ``group`` by ``DistributedDataParallel`` (which also broadcasts
     rank 0's weights and buffers), measured by gradfuse's hook as each bucket is reduced."""
 
+    sharded = False  # every rank holds whole tensors
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group, norm_type: float):
         device = next(model.parameters()).device
         self.module = DistributedDataParallel(

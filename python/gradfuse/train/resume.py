@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,8 +74,14 @@ def module_state(saved: dict, model: torch.nn.Module) -> dict:
 def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> list[str]:
     """The optimizer's state (moments, step counts) from ``saved``; its hyperparameters (weight
     decay, betas, ...) stay the ones it was made with. The learning rates are the schedule's."""
+    return keep_optimizer_settings(optimizer, lambda opt: opt.load_state_dict(saved))
+
+
+def keep_optimizer_settings(optimizer: torch.optim.Optimizer, load: Callable) -> list[str]:
+    """``load(optimizer)`` (which brings the saved state and param groups), then the
+    hyperparameters it was made with put back; returns what differed."""
     mine = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
-    optimizer.load_state_dict(saved)
+    load(optimizer)
     changed = []
     for i, (group, settings) in enumerate(zip(optimizer.param_groups, mine, strict=True)):
         for key, value in settings.items():

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from ..scaler import GradScaler
-from . import checkpoint
+from . import checkpoint, sharded_checkpoint
 from . import resume as resuming
 from .attribution import NonfiniteAttribution, describe
 from .callbacks import Callbacks
@@ -113,7 +113,9 @@ class Trainer:
     Under ``torchrun`` (or with a default process group already made) it trains data-parallel:
     each rank on its own ``train_data``, gradients averaged through DDP and gradfuse's hook (or,
     with ``config.parallel="fsdp"``, the model sharded by FSDP2: ``fsdp.py``), communication on
-    the last micro-step only, and rank 0 alone writes checkpoints and metrics.
+    the last micro-step only, and rank 0 alone writes checkpoints and metrics. With
+    ``parallel="fsdp"`` checkpoints are folders every rank writes its shards into
+    (``sharded_checkpoint``), and they resume on any world size.
     """
 
     def __init__(
@@ -147,8 +149,6 @@ class Trainer:
             raise ValueError("TrainConfig.keep_best keeps the checkpoint with the lowest eval loss: it needs eval_data")
         if config.tensorboard_dir is not None:
             check_tensorboard()
-        if config.parallel == "fsdp" and (config.checkpoint_dir is not None or resume is not None):
-            _no_sharded_checkpoints()  # call point: sharded checkpoints (DCP) go here
         self.config = config
         self.device = training_device(config.device, model)
         self.model = model.to(self.device)  # the user's module: checkpoints hold its state dict
@@ -162,6 +162,8 @@ class Trainer:
         checkpoint_activations(model, config.activation_checkpointing)
         self.grads = self.world.gradients(model, optimizer, config)  # zero_grad, no_sync; DDP or FSDP2
         self.net = self.grads.module  # what forward calls go through (DDP's wrapper under data parallelism)
+        # FSDP2 (even one process of it): checkpoints are folders every rank writes its shards into.
+        self.sharded = getattr(self.grads, "sharded", False) or config.parallel == "fsdp"
         if config.compile:
             self.net = torch.compile(self.net)
         if scheduler is None:
@@ -518,10 +520,13 @@ class Trainer:
     # --- checkpoints --------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        model = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {**model, **self._shared_state(), **self._rank_state()}
+
+    def _shared_state(self) -> dict:
+        """What every rank holds alike (a sharded checkpoint keeps rank 0's)."""
         return {
             "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "counters": {
@@ -532,22 +537,36 @@ class Trainer:
             },
             "spikes": None if self.spikes is None else {**self.spikes.state_dict(), "skipped": self.spikes_skipped},
             "clip": None if self.clip_policy is None else self.clip_policy.state_dict(),
-            "data": self.batches.state_dict(),
-            "rng": checkpoint.rng_state(),
             "config": self.config.to_dict(),
         }
 
+    def _rank_state(self) -> dict:
+        """What is this rank's own: its data position and RNG states."""
+        return {"data": self.batches.state_dict(), "rng": checkpoint.rng_state()}
+
     def save(self, best: bool = False) -> Path | None:
         """Write a checkpoint of the current step (main process only); returns its path.
-        ``best=True`` writes ``best.pt`` instead (``keep_best``)."""
-        if self.config.parallel == "fsdp":  # call point: every rank writes its shards (DCP)
-            _no_sharded_checkpoints()
+        ``best=True`` writes ``best.pt`` instead (``keep_best``). Sharded (FSDP2): a folder,
+        written by every rank (each calls this), its path returned on every rank."""
+        if self.sharded:
+            return self._save_sharded(best)
         if not self.world.is_main:
             return None
         cfg = self.config
         name = checkpoint.BEST if best else None
         path = checkpoint.save_checkpoint(cfg.checkpoint_dir, self.step, self.state_dict(), cfg.keep_last, name)
         self.callbacks.save(path)
+        return path
+
+    def _save_sharded(self, best: bool) -> Path:
+        cfg = self.config
+        path = sharded_checkpoint.save(
+            cfg.checkpoint_dir, self.step, self.model, self.optimizer, shared=self._shared_state(),
+            own=self._rank_state(), keep_last=cfg.keep_last, group=getattr(self.world, "group", None),
+            name=checkpoint.BEST_FOLDER if best else None,
+        )  # fmt: skip
+        if self.world.is_main:
+            self.callbacks.save(path)
         return path
 
     def load(self, path: str | os.PathLike) -> None:
@@ -561,8 +580,22 @@ class Trainer:
         (module ``resume``), and what changed is logged once."""
         cfg = self.config
         changed = resuming.config_changes(state.get("config", {}), cfg.to_dict())
-        self.model.load_state_dict(resuming.module_state(state["model"], self.model))
-        changed += resuming.load_optimizer(self.optimizer, state["optimizer"])
+        if path.is_dir():  # sharded (sharded_checkpoint.py): through DCP, on any world size
+            group, world = getattr(self.world, "group", None), self.world
+            load = functools.partial(sharded_checkpoint.load_model_and_optimizer, path, self.model, group=group)
+            changed += resuming.keep_optimizer_settings(self.optimizer, load)
+            own = sharded_checkpoint.rank_part(
+                state["ranks"], world.rank, world.world_size, announce=world.is_main, where=f" from {path}"
+            )
+            state = {**state, **own}
+        else:
+            if getattr(self.grads, "sharded", False):
+                raise checkpoint.CheckpointError(
+                    f"{path} is a single-file checkpoint (whole tensors); a model sharded by FSDP2 resumes from a "
+                    "sharded checkpoint folder (step-XXXXXXXX/)"
+                )
+            self.model.load_state_dict(resuming.module_state(state["model"], self.model))
+            changed += resuming.load_optimizer(self.optimizer, state["optimizer"])
         changed += resuming.load_schedule(self.scheduler, state["scheduler"], self.optimizer, self._base_lrs)
         if state["scaler"]:
             # The scale and its growth tracker continue; the rule for them is the config's.
@@ -606,14 +639,6 @@ def _check_reiterable(name: str, data) -> None:
         raise TypeError(f"{name} must be an iterable of batches (a list or a DataLoader), got {type(data).__name__}")
     if isinstance(data, (list, tuple)) and not data:
         raise ValueError(f"{name} is empty: it has no batches")
-
-
-def _no_sharded_checkpoints() -> None:
-    # A whole-model file written by rank 0 would hold rank 0's shards only.
-    raise NotImplementedError(
-        "TrainConfig.parallel='fsdp' checkpoints are sharded (torch.distributed.checkpoint), not written by this "
-        "version; leave checkpoint_dir and resume unset"
-    )
 
 
 def _seed_everything(seed: int) -> None:

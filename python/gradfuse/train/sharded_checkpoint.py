@@ -1,0 +1,253 @@
+"""Sharded checkpoints: a model sharded by FSDP2 saved and loaded through
+``torch.distributed.checkpoint`` (DCP), every rank writing its own shard, committed atomically.
+
+A checkpoint is a folder, ``step-00001000/`` in the checkpoint folder (layout and checks in
+``checkpoint.py``): DCP's files (``.metadata`` and the shards of the model and optimizer
+state dicts from ``torch.distributed.checkpoint.state_dict.get_state_dict``), the Trainer's
+shared state in ``trainer.pt`` (written by rank 0) and each rank's own part (its RNG states and
+data position) in ``rank-00000.pt``, ``rank-00001.pt``, ...
+
+Atomic as the single-file checkpoints are. Rank 0 deletes what a killed save left and makes
+``.saving-step-00001000/``; every rank writes into it; once all have finished (one collective
+that also carries any rank's error to every rank), rank 0 commits with ONE rename to
+``step-00001000/``, fsyncs the checkpoint folder, deletes all but the ``keep_last`` newest, and a
+last collective lets every rank go on. A job killed at any moment leaves either the complete
+new folder or none (a temporary one, deleted at the next save), and the previous ones whole.
+
+Loading goes through DCP too (``dcp.load`` into the model's and optimizer's own state dicts,
+then ``set_state_dict``), so the world size may differ from the one that saved: DCP reads each
+rank's slices from whatever shards hold them (2 ranks -> 1, 1 -> 2, a plain model into an FSDP2
+one and back). Then each rank takes its own part back (``rank_part``); on another world size
+it cannot, and the rule is: rank ``r`` gets the RNG states of saved rank ``r % saved world size``
+(the Trainer seeds every rank alike, so these are the states a fresh rank would have had too),
+and the data position is re-split: every rank starts its data at the epoch of the ranks
+furthest behind, after ``floor(batches the saved ranks took in that epoch / new world size)``
+batches, with a warning that the data order cannot be the same as an uninterrupted run's
+(samples near the split may be seen twice, never skipped, when each rank's data is its share of
+one dataset, e.g. through ``DistributedSampler``).
+
+Without a process group (``group=None``: one process, with or without ``fully_shard``) the same
+folders are written and read through DCP's single-process mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint
+
+logger = logging.getLogger("gradfuse.train")
+# DCP says so whenever it runs without a process group; here that is asked for (group=None).
+_SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+def save(
+    directory: str | os.PathLike,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    shared: dict | None = None,
+    own: dict | None = None,
+    keep_last: int | None = None,
+    group=None,
+    name: str | None = None,
+) -> Path:
+    """Write the sharded checkpoint of ``step``: ``model`` and ``optimizer`` through DCP,
+    ``shared`` (the same on every rank: rank 0's is kept) and this rank's ``own`` part; every
+    rank of ``group`` calls it (``None``: this process alone). Then all but the ``keep_last``
+    newest checkpoints are deleted (``None``: none). ``name`` writes that folder instead (e.g.
+    ``best``), outside the rotation. Returns the folder's path on every rank."""
+    directory = Path(directory)
+    rank, world = _rank_and_world(group)
+    final = directory / name if name is not None else checkpoint.checkpoint_path(directory, step, sharded=True)
+    temp = checkpoint.temporary_folder(directory, final.name)
+
+    def prepare():
+        directory.mkdir(parents=True, exist_ok=True)
+        checkpoint.remove_stale_saves(directory)
+        temp.mkdir()
+
+    _together(group, rank == 0 and prepare, f"could not start the checkpoint {final}")
+    dcp, get_state_dict, _ = _dcp()
+    stepped = bool(optimizer.state)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    if not stepped:
+        # torch's get_state_dict steps an optimizer that has no state yet once, at lr 0, to have
+        # a state to save (AdamW: step 1, zero moments); training on from it would not be the run
+        # without the save. The made-up state is saved (DCP's load asks for it) but forgotten,
+        # here and after a load.
+        optimizer.state.clear()
+    with _single_process_quiet(group):
+        metadata = dcp.save(
+            {"model": model_state, "optimizer": optimizer_state},
+            checkpoint_id=temp,
+            process_group=group,
+            no_dist=group is None,
+        )
+
+    def write_parts():
+        # The CRC-32 of every shard file is recorded, each rank reading an even share of them.
+        shards = sorted({info.relative_path for info in metadata.storage_data.values()})
+        files = {file: checkpoint.file_crc32(temp / file) for file in shards[rank::world]}
+        own_part = {"rank": rank, "world_size": world, "files": files, **(own or {})}
+        checkpoint.write_file(checkpoint.rank_file(temp, rank), own_part)
+        if rank == 0:
+            metadata_crc32 = checkpoint.file_crc32(temp / checkpoint.METADATA)
+            shared_part = {
+                "step": step, **(shared or {}), "world_size": world, "metadata_crc32": metadata_crc32,
+                "optimizer_stepped": stepped,
+            }  # fmt: skip
+            checkpoint.write_file(temp / checkpoint.TRAINER_FILE, shared_part)
+
+    try:
+        _together(group, write_parts, f"could not write the checkpoint {final}")
+    except BaseException:
+        if rank == 0:
+            checkpoint.remove_stale_saves(directory)
+        raise
+
+    def commit():
+        checkpoint.fsync_directory(temp)  # the entries of every rank's files
+        replaced = None
+        # The same step saved again: the old folder is moved aside, then deleted once the new one
+        # is in place (a kill between the two renames leaves the older checkpoints, not this step).
+        if final.exists():
+            replaced = checkpoint.temporary_folder(directory, final.name + "-replaced")
+            os.replace(final, replaced)
+        os.replace(temp, final)
+        checkpoint.fsync_directory(directory)  # make the rename itself durable
+        if replaced is not None:
+            checkpoint.remove_stale_saves(directory)
+        if name is None and keep_last is not None:
+            checkpoint.remove_old(directory, keep_last)
+
+    _together(group, rank == 0 and commit, f"could not commit the checkpoint {final}")
+    return final
+
+
+def load_model_and_optimizer(folder: str | os.PathLike, model: torch.nn.Module, optimizer, *, group=None) -> None:
+    """Read ``model``'s and ``optimizer``'s state from the sharded checkpoint ``folder``, on any
+    world size: DCP fills the state dicts the model and optimizer have now (their shards on
+    this rank), then ``set_state_dict`` puts them in place. Every rank of ``group`` calls it
+    (``None``: this process alone). The folder should have been checked first
+    (``checkpoint.load_checkpoint``)."""
+    if group is not None:  # each rank picked its folder itself (resume="latest"): the same one?
+        folders: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(folders, os.fspath(Path(folder).resolve()), group=group)
+        if len(set(folders)) > 1:
+            raise checkpoint.CheckpointError(
+                "the ranks would load different checkpoints: "
+                + ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(folders))
+                + "; every rank must see the same checkpoint folder (a shared file system)"
+            )
+    dcp, get_state_dict, set_state_dict = _dcp()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    with _single_process_quiet(group):
+        dcp.load(state, checkpoint_id=Path(folder), process_group=group, no_dist=group is None)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if not checkpoint.load_checkpoint(Path(folder) / checkpoint.TRAINER_FILE).get("optimizer_stepped", True):
+        optimizer.state.clear()  # saved before the optimizer had a state (see ``save``)
+
+
+def load(folder: str | os.PathLike, model: torch.nn.Module, optimizer, *, group=None) -> dict:
+    """Check ``folder`` whole, load ``model`` and ``optimizer`` from it, and return the saved
+    state: the shared part, with every saved rank's own part as a list under ``"ranks"``
+    (``rank_part`` picks this rank's)."""
+    state = checkpoint.load_checkpoint(folder)
+    load_model_and_optimizer(folder, model, optimizer, group=group)
+    return state
+
+
+def rank_part(ranks: list[dict], rank: int, world: int, *, announce: bool = True, where: str = "") -> dict:
+    """This rank's own part of a checkpoint saved by ``len(ranks)`` ranks: its own on the same
+    world size; otherwise the RNG states of saved rank ``rank % len(ranks)`` and the data
+    position re-split by the rule in the module docs, with a warning (``announce``: this
+    process logs) that the data order cannot be the same."""
+    saved_world = len(ranks)
+    if saved_world == world:
+        return ranks[rank]
+    part = dict(ranks[rank % saved_world])
+    data = [r["data"] for r in ranks if r.get("data") is not None]
+    if data:
+        part["data"] = resplit_data(data, world)
+        if announce:
+            logger.warning(
+                f"resuming{where} a checkpoint of {saved_world} rank(s) on {world}: the model and optimizer are "
+                f"resharded exactly, but the data order cannot be the same as without the change: every rank "
+                f"starts at batch {part['data']['position']} of epoch {part['data']['epoch']} of its train_data "
+                f"(the batches the {saved_world} rank(s) took in that epoch, split over {world}); rank r continues "
+                f"the random number generators of saved rank r % {saved_world}"
+            )
+    return part
+
+
+def resplit_data(positions: list[dict], world: int) -> dict:
+    """One data position (``BatchStream.state_dict()``) for every rank of ``world`` from the
+    saved ranks' ``positions``: the epoch of the ranks furthest behind, and the batches they
+    took in it divided by ``world``, rounded down (batches seen again rather than skipped)."""
+    epoch = min(p["epoch"] for p in positions)
+    behind = [p for p in positions if p["epoch"] == epoch]
+    started = [p for p in behind if p["epoch_rng_state"] is not None]
+    if not started:  # saved before the first batch of that epoch
+        return {"epoch": epoch, "position": 0, "epoch_rng_state": None}
+    taken = sum(p["position"] for p in behind)
+    return {"epoch": epoch, "position": taken // world, "epoch_rng_state": started[0]["epoch_rng_state"]}
+
+
+def _dcp():
+    """``torch.distributed.checkpoint`` and its state-dict functions, imported when first used:
+    importing them costs about a second, too much for every ``import gradfuse``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    return dcp, get_state_dict, set_state_dict
+
+
+def _rank_and_world(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _together(group, work, failure: str) -> None:
+    """Run ``work`` (falsy: nothing) on this rank, then wait for every rank of ``group``: if it
+    failed on any, every rank raises, naming the ranks and their errors (no rank is left
+    waiting in a collective that will never come)."""
+    error = None
+    try:
+        if work:
+            work()
+    except Exception as err:
+        error = err
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    errors: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    if error is not None:
+        raise error
+    failed = {rank: why for rank, why in enumerate(errors) if why is not None}
+    if failed:
+        raise checkpoint.CheckpointError(
+            f"{failure}: " + "; ".join(f"rank {rank}: {why}" for rank, why in failed.items())
+        )
+
+
+@contextlib.contextmanager
+def _single_process_quiet(group):
+    """DCP warns that it runs in one process whenever it does; with ``group=None`` that is what
+    was asked for."""
+    with warnings.catch_warnings():
+        if group is None:
+            warnings.filterwarnings("ignore", _SINGLE_PROCESS, UserWarning)
+        yield
