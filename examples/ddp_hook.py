@@ -12,6 +12,7 @@ Accumulation micro-steps skip communication with DDP's no_sync().
 """
 
 import contextlib
+import gc
 import os
 
 import torch
@@ -59,7 +60,11 @@ def main() -> None:
         assert all(torch.equal(c, copies[0]) for c in copies)
     if rank == 0:
         print(f"{hook}: ranks in sync")
-    del ddp  # DDP's reducer holds the process group
+    # DDP's reducer sits in a reference cycle that holds the process group: collected only at
+    # interpreter teardown, the group's threads can abort the process ("terminate called
+    # without an active exception"). Free it before the group goes.
+    del ddp
+    gc.collect()
     dist.destroy_process_group()
 
 
