@@ -68,9 +68,11 @@ def full(params) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() if isinstance(p, DTensor) else p.detach().clone() for p in params]
 
 
-def train(parallel: str, precision: str, rank: int, world: int, optimizer=None, loss_fn=mse, **overrides):
+def train(
+    parallel: str, precision: str, rank: int, world: int, optimizer=None, loss_fn=mse, make_model=model, **overrides
+):
     """(trainer, rows, the whole weights after) of a Trainer run on this rank's share."""
-    net = model()
+    net = make_model()
     opt = (optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True)))(net.parameters())
     if parallel == "ddp":  # the FSDP2 settings are refused under DDP
         overrides = {**overrides, "fsdp_units": []}
@@ -82,10 +84,12 @@ def train(parallel: str, precision: str, rank: int, world: int, optimizer=None, 
     return trainer, rows, full(net.parameters())
 
 
-def one_process(world: int, loss_fn=mse):
-    """The reference: one process on the combined batches, torch's own clip and fused AdamW."""
+def one_process(world: int, loss_fn=mse, make_model=model, norm_type: float = 2.0, modules: list | None = None):
+    """The reference: one process on the combined batches, torch's own clip and fused AdamW.
+    With ``modules`` (a list): per step, each depth-1 module's gradient norm and largest
+    magnitude before the clip, in float64, are appended to it as ``{"grad_norm/<m>": ...}``."""
     combined = combined_batches(STEPS * ACCUM, PER_RANK * world)
-    ref = model()
+    ref = make_model()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     losses, norms = [], []
     for step in range(STEPS):
@@ -97,10 +101,25 @@ def one_process(world: int, loss_fn=mse):
             micro_loss = loss_fn(ref, combined[step * ACCUM + micro]) / ACCUM
             micro_loss.backward()
             loss += micro_loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
+        if modules is not None:
+            modules.append(per_module_reference(ref, norm_type))
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type).item())
         opt.step()
         losses.append(loss)
     return losses, norms, [p.detach() for p in ref.parameters()]
+
+
+def per_module_reference(net: nn.Module, norm_type: float) -> dict[str, float]:
+    """Each depth-1 module's gradient norm and largest magnitude, in float64."""
+    members: dict[str, list[torch.Tensor]] = {}
+    for name, p in net.named_parameters():
+        members.setdefault(name.split(".")[0], []).append(p.grad.double().reshape(-1))
+    out = {}
+    for m, grads in members.items():
+        flat = torch.cat(grads)
+        out[f"grad_norm/{m}"] = torch.linalg.vector_norm(flat, norm_type).item()
+        out[f"grad_amax/{m}"] = flat.abs().max().item()
+    return out
 
 
 def fsdp_matches_ddp_and_one_process_fp32(rank, world):
@@ -346,3 +365,60 @@ def the_optimizer_is_carried_over_group_by_group(rank, world):
         assert [by_id.get(id(p)) for p in group["params"]] == want, (group["params"], want)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.01]
     assert [g["lr"] for g in opt.param_groups] == [1e-2, 5e-3]
+
+
+class Gain(nn.Module):
+    """One parameter of one element: FSDP2 leaves rank 1 an empty shard of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((1,), 1.5))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def model_with_gain() -> nn.Module:
+    net = model()
+    net.append(Gain())
+    return net
+
+
+def per_module_norms_match_ddp_and_one_process(rank, world):
+    """log_grad_norms under FSDP2: each rank reduces its local shards per module from the
+    clip's own read (multi_tensor_stats), and one (order inf) or two (finite orders) small
+    all-reduces combine the ranks; the grad_norm/<m> and grad_amax/<m> of every step equal the
+    DDP Trainer's and one process's (float64, on the combined batch), within fp32 tolerance (the
+    summation orders differ, see the module docstring). Module "4" (Gain) is an empty shard on
+    rank 1: that rank still joins the collectives and adds nothing."""
+    real_reduce, calls = dist.all_reduce, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real_reduce(*args, **kwargs)
+
+    for norm_type in (2.0, float("inf")):
+        counts = []
+        for depth in (None, 1):
+            calls.clear()
+            dist.all_reduce = counting
+            try:
+                _, rows, _ = train("fsdp", "fp32", rank, world, make_model=model_with_gain, norm_type=norm_type,
+                                   log_grad_norms=depth)  # fmt: skip
+            finally:
+                dist.all_reduce = real_reduce
+            counts.append(len(calls))
+        # Every step logs (log_every=1): one more all-reduce per step for order inf, two for 2.
+        extra = 1 if norm_type == float("inf") else 2
+        assert counts[1] - counts[0] == extra * STEPS, (norm_type, counts)
+        _, ddp_rows, _ = train("ddp", "fp32", rank, world, make_model=model_with_gain, norm_type=norm_type,
+                               log_grad_norms=1)  # fmt: skip
+        reference: list[dict] = []
+        one_process(world, make_model=model_with_gain, norm_type=norm_type, modules=reference)
+        keys = [f"grad_{kind}/{m}" for kind in ("norm", "amax") for m in "01234"]
+        for row, ddp_row, ref in zip(rows, ddp_rows, reference, strict=True):
+            assert sorted(k for k in row if k.startswith("grad_") and "/" in k) == sorted(keys), row
+            for key in keys:
+                msg = f"{key} step {row['step']} order {norm_type}"
+                torch.testing.assert_close(row[key], ddp_row[key], rtol=1e-5, atol=0, msg=msg)
+                torch.testing.assert_close(row[key], ref[key], rtol=1e-5, atol=0, msg=msg)

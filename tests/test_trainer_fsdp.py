@@ -29,6 +29,7 @@ SCENARIOS = [
     "bad_settings_raise_before_anything_is_sharded",
     "other_trainer_features_match_ddp",
     "the_optimizer_is_carried_over_group_by_group",
+    "per_module_norms_match_ddp_and_one_process",
 ]
 
 
@@ -58,7 +59,7 @@ def test_two_ranks(results, name):
         (dict(reshard_after_forward=False), ValueError, "TrainConfig.reshard_after_forward applies to parallel="),
         (dict(cpu_offload=True), ValueError, "TrainConfig.cpu_offload applies to parallel='fsdp' only"),
         (dict(parallel="fsdp", clip="agc", max_grad_norm=None), ValueError, "TrainConfig.clip is 'agc'"),
-        (dict(parallel="fsdp", log_grad_norms=1), ValueError, "TrainConfig.log_grad_norms .per-module norms"),
+        (dict(log_grad_norms=1, norm_type=0.0), ValueError, "TrainConfig.log_grad_norms is not available with norm"),
     ],
 )
 def test_bad_parallel_settings_name_the_field(overrides, error, message):
@@ -82,6 +83,27 @@ def test_one_process_with_parallel_fsdp_trains_the_plain_model():
         assert trainer.grads.sharded is False
         weights.append([p.detach().clone() for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_one_process_per_module_norms_match_the_float64_reference(norm_type):
+    """The one-process side of the 2-rank scenario per_module_norms_match_ddp_and_one_process:
+    the Trainer with parallel="fsdp" and no process group logs the same per-module norms and
+    largest magnitudes as a hand-run float64 reference on the same batches (fp32 tolerance:
+    the Trainer's gradients and sums are fp32)."""
+    world = 2  # the combined batches of the 2-rank scenario, all in this process
+    batches = fsdp_scenarios.combined_batches(fsdp_scenarios.STEPS * fsdp_scenarios.ACCUM, 4 * world)
+    net = fsdp_scenarios.model_with_gain()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+    cfg = fsdp_scenarios.settings(norm_type=norm_type, log_grad_norms=1)
+    rows = Trainer(net, opt, batches, cfg, loss_fn=fsdp_scenarios.mse).fit()
+    reference: list[dict] = []
+    fsdp_scenarios.one_process(world, make_model=fsdp_scenarios.model_with_gain, norm_type=norm_type, modules=reference)
+    assert len(rows) == len(reference) == fsdp_scenarios.STEPS
+    for row, ref in zip(rows, reference, strict=True):
+        assert set(ref) <= set(row)
+        for key, value in ref.items():
+            torch.testing.assert_close(row[key], value, rtol=1e-5, atol=0, msg=key)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf"), -1.0])

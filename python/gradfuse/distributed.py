@@ -6,6 +6,8 @@
 - :func:`dtensor_locals` and :func:`as_replicated` let the clip do the same for DTensor
   gradients (FSDP2, tensor parallel): the local shards run through the fused kernels, then one
   all-reduce over the mesh dimensions the gradients are sharded on.
+- :func:`combine_module_stats` does it for per-module norms and largest magnitudes (the
+  Trainer's ``log_grad_norms``), one or two small all-reduces.
 
 Data parallelism itself is torch's ``DistributedDataParallel``, with gradfuse's communication
 hook (``ddp_hook.py``).
@@ -85,6 +87,37 @@ def count_nonzero_across(counts: Tensor, groups: Sequence) -> Tensor:
     for group in groups:
         dist.all_reduce(summed, group=group)
     return (summed != 0).sum().to(counts.dtype)
+
+
+def combine_module_stats(partials: Tensor, amax: Tensor, norm_type: float, groups: Sequence) -> tuple[Tensor, Tensor]:
+    """Per-module statistics over all ranks of ``groups`` from this rank's: ``partials`` (1-d
+    float64: per module, the sum of ``|x|**p`` over this rank's shards, or their largest /
+    smallest ``|x|`` for ``p = ±inf``) and ``amax`` (per module, the largest ``|x|``). Sums add,
+    maxima and minima are taken: one all-reduce per group for ``±inf`` (a minimum travels
+    negated under MAX), two for a finite order. Identical on every rank; every rank must call
+    it alike.
+
+    A NaN on any rank (statistics not taken there, a NaN gradient) makes the module's values NaN
+    on every rank, as in one process: a NaN can vanish in a MAX, so a count of them rides along."""
+    if not groups:
+        return partials, amax
+    nan = torch.isnan(partials) | torch.isnan(amax)
+    partials, amax = partials.masked_fill(nan, 0.0), amax.masked_fill(nan, 0.0)
+    if math.isinf(norm_type):
+        sign = 1.0 if norm_type > 0 else -1.0
+        both = torch.cat([partials * sign, amax, nan.double()])
+        for group in groups:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        partials, amax, nan = both.chunk(3)
+        partials = partials * sign
+    else:
+        summed = torch.cat([partials, nan.double()])
+        for group in groups:
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        partials, nan = summed.chunk(2)
+    lost = nan > 0
+    return partials.masked_fill(lost, math.nan), amax.masked_fill(lost, math.nan)
 
 
 def _dtensor_types():

@@ -99,17 +99,31 @@ def clip_coef(total_norm: Tensor, max_norm: float) -> Tensor:
     return (total_norm + EPS).reciprocal_().mul_(max_norm).clamp_(max=1.0)
 
 
-def _local_norm_and_flag(shards: list[Tensor], inv_scale: Tensor, norm_type: float, device: torch.device):
+def _local_norm_and_flag(
+    shards: list[Tensor], inv_scale: Tensor, norm_type: float, device: torch.device, observe=None, across=()
+):
     """(norm of ``shards * inv_scale``, found_inf) for one rank's local shards, read-only; the
     fused pass where the kernels run them, torch's ops otherwise (so that every rank reaches
-    the all-reduce that follows, whatever its shards). No shard: the combine's identity."""
+    the all-reduce that follows, whatever its shards). No shard: the combine's identity.
+
+    ``observe`` (a probe's ``observe_stats``): the same single read is ``multi_tensor_stats``,
+    whose per-tensor statistics of the non-empty shards go to ``observe(shards, stats,
+    inv_scale, across)``, ``across`` being the process groups the shards are split over. It is
+    called on every rank, also with no shard (``[]``, ``None``: nothing to add) and where torch
+    measured (the shards, ``None``: not taken), so that every rank's probe joins the same
+    collectives later."""
     nonempty = [t for t in shards if t.numel()]
     nothing = torch.zeros((), dtype=torch.float32, device=device)
     if not nonempty:
+        if observe is not None:
+            observe([], None, inv_scale, across)
         return D.norm_of_nothing(norm_type, device), nothing
     groups = _fused_groups(nonempty, one_device=False)
     if groups is not None:
         try:
+            if observe is not None:
+                total, found = GradScaler._measure_for_policy(groups, inv_scale, norm_type, observe, across)
+                return total.to(device), torch.stack([f.to(device) for f in found.values()]).amax()
             _check_all(groups)
             norms, found = [], []
             for group_device, group in groups.items():
@@ -119,6 +133,8 @@ def _local_norm_and_flag(shards: list[Tensor], inv_scale: Tensor, norm_type: flo
             return _combine_totals(norms, norm_type), torch.stack(found).amax()
         except _TORCHS:
             pass
+    if observe is not None:
+        observe(nonempty, None, inv_scale, across)
     norms = [torch.linalg.vector_norm(t.float() * inv_scale.to(t.device), norm_type) for t in nonempty]
     per_tensor = torch.stack(norms)
     found = torch.stack([(~torch.isfinite(t)).any().to(device) for t in nonempty]).any().float()
@@ -346,8 +362,10 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled:
             _refuse_fp16(grads)
         groups = _fused_groups(grads, one_device=False) if grads else None
-        if groups is None and grads and D.is_dtensor(grads[0]) and _measures_norm_only(policy):
-            total = self._unscale_and_clip_dtensor(optimizer, grads, policy.clip_coef, norm_type, divisor)
+        observe = getattr(policy, "observe_stats", None)  # a probe of per-tensor statistics
+        by_norm = _measures_norm_only(policy) or (observe is not None and hasattr(policy, "clip_coef"))
+        if groups is None and grads and D.is_dtensor(grads[0]) and by_norm:
+            total = self._unscale_and_clip_dtensor(optimizer, grads, policy.clip_coef, norm_type, divisor, observe)
             if total is not None:
                 return total
         unscale_and_clip = getattr(policy, "unscale_and_clip_grads_", None)  # per-unit (AGC)
@@ -366,7 +384,7 @@ class GradScaler(torch.amp.GradScaler):
             first = next(iter(groups))
             scale, inv_scale = self._scales(first, divisor)
             try:  # read-only: nothing is modified when torch must answer instead
-                measured = self._measure_for_policy(groups, inv_scale, norm_type, policy)
+                measured = self._measure_for_policy(groups, inv_scale, norm_type, observe)
             except _TORCHS:
                 pass
         if measured is None:
@@ -394,10 +412,11 @@ class GradScaler(torch.amp.GradScaler):
         return total
 
     @staticmethod
-    def _measure_for_policy(groups, inv_scale: Tensor, norm_type: float, policy):
+    def _measure_for_policy(groups, inv_scale: Tensor, norm_type: float, observe=None, across=()):
         """One read-only pass per device: (total norm of the unscaled gradients, found_inf per
-        device); per-tensor statistics from the same read for a policy that observes them."""
-        observe = getattr(policy, "observe_stats", None)
+        device); per-tensor statistics from the same read for a policy that observes them
+        (``observe``, its ``observe_stats``; ``across``: the process groups the tensors are
+        shards over, for it to combine its statistics over)."""
         norms, found = [], {}
         with torch.no_grad():
             _check_all(groups)
@@ -414,11 +433,13 @@ class GradScaler(torch.amp.GradScaler):
                     inv = inv_scale.to(device)
                     norm = stats.total if norm_type == 0 else (stats.total * inv).to(stats.total.dtype)
                     found[device] = (stats.nonfinite.sum() > 0).float()
-                    observe(group, stats, inv)
+                    observe(group, stats, inv, across)
                 norms.append(norm)
             return _combine_totals(norms, norm_type), found
 
-    def _unscale_and_clip_dtensor(self, optimizer, grads: list[Tensor], coef_of, norm_type: float, divisor):
+    def _unscale_and_clip_dtensor(
+        self, optimizer, grads: list[Tensor], coef_of, norm_type: float, divisor, observe=None
+    ):
         """``unscale_and_clip_`` for DTensor gradients (FSDP2, tensor parallel), the clip
         coefficient given by ``coef_of(total_norm)``. A read-only pass over this rank's local
         shards gives their unscaled norm and inf/NaN flag; one all-reduce per set of sharded
@@ -428,7 +449,10 @@ class GradScaler(torch.amp.GradScaler):
         optimizer's read (torch's fused AdamW takes DTensor parameters with a plain
         ``grad_scale``), or one write pass over the shards. Returns the norm as a plain 0-d
         tensor, or None (nothing done) where torch must answer: ``Partial`` placements or
-        several meshes."""
+        several meshes. ``observe`` (a probe's ``observe_stats``): the local read is
+        ``multi_tensor_stats`` instead, the same single pass, whose per-tensor statistics of the
+        local shards go to it with the process groups they are split over (the probe combines
+        them across the ranks later, on every rank alike)."""
         spec = D.dtensor_locals(grads)
         if spec is None:
             return None
@@ -437,10 +461,14 @@ class GradScaler(torch.amp.GradScaler):
         scale, inv_scale = self._scales(device, divisor)
         with torch.no_grad():
             # Every rank measures first and then joins the same all-reduces, whatever its shards.
-            local = [_local_norm_and_flag(shards, inv_scale, norm_type or 1.0, device) for shards in by_dims.values()]
+            across = {dims: [mesh.get_group(d) for d in dims] for dims in by_dims}
+            local = [
+                _local_norm_and_flag(shards, inv_scale, norm_type or 1.0, device, observe, across[dims])
+                for dims, shards in by_dims.items()
+            ]
             totals, flags = [], []
             for (dims, shards), (norm, found) in zip(by_dims.items(), local, strict=True):
-                groups = [mesh.get_group(d) for d in dims]
+                groups = across[dims]
                 norm, found = D.combine_norm_and_flag(norm, found, norm_type or 1.0, groups)
                 if norm_type == 0:  # a tensor counts once however it is sharded
                     counts = torch.stack([torch.count_nonzero(t).to(device) for t in shards]).float()

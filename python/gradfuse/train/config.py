@@ -125,7 +125,7 @@ class TrainConfig:
                 _fail("device", f"is not a torch device: {self.device!r} ({err})")
         check_skip_spikes(self.skip_spikes)  # gradient health: these raise naming the field
         check_clip(self.clip, self.clip_options, self.max_grad_norm)
-        check_log_grad_norms(self.log_grad_norms, self.clip)
+        check_log_grad_norms(self.log_grad_norms, self.clip, self.norm_type)
         self._check_parallel()
 
     def _check_parallel(self) -> None:
@@ -136,16 +136,13 @@ class TrainConfig:
         for name in ("reshard_after_forward", "cpu_offload"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"must be True or False, got {getattr(self, name)!r}", TypeError)
-        if self.parallel == "fsdp":
-            # Both need statistics of whole tensors (per module, per unit) that FSDP2 splits across
-            # the ranks; refused here so that a 1-process run does not accept what 2 ranks refuse.
-            if self.clip == "agc":
-                _fail(
-                    "clip",
-                    "is 'agc' (per-unit norms), which parallel='fsdp' does not support; use norm, zclip or autoclip",
-                )
-            if self.log_grad_norms is not None:
-                _fail("log_grad_norms", "(per-module norms) is not supported with parallel='fsdp'; leave it None")
+        if self.parallel == "fsdp" and self.clip == "agc":
+            # AGC needs statistics of whole tensors per unit that FSDP2 splits across the ranks;
+            # refused here so that a 1-process run does not accept what 2 ranks refuse.
+            _fail(
+                "clip",
+                "is 'agc' (per-unit norms), which parallel='fsdp' does not support; use norm, zclip or autoclip",
+            )
         if self.parallel != "fsdp":  # an FSDP setting under DDP would be silently ignored
             set_here = {"fsdp_units": bool(units), "reshard_after_forward": not self.reshard_after_forward}
             set_here["cpu_offload"] = self.cpu_offload

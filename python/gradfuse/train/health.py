@@ -26,6 +26,7 @@ import math
 import torch
 
 from ..clipping import make_policy
+from ..distributed import combine_module_stats
 
 Tensor = torch.Tensor
 CLIPS = ("norm", "zclip", "autoclip", "agc")
@@ -146,11 +147,17 @@ class LayerStatsProbe:
     """Stands in for the clipping policy (or fixed ``max_norm``) on a log step: the scaler's
     policy path then takes the norm from ``multi_tensor_stats`` (the same single read) and hands
     the per-tensor statistics here; the per-module norms and largest magnitudes are reduced on
-    the device, ready for the step's one host sync."""
+    the device, ready for the step's one host sync.
+
+    DTensor gradients (FSDP2) are read as their local shards (``prefixes`` keys the shards):
+    each rank reduces its own shards per module, and :meth:`values` combines the ranks' partials
+    (``distributed.combine_module_stats``: one or two small all-reduces, on every rank alike)."""
 
     def __init__(self, inner, prefixes: dict[int, str], modules: list[str], norm_type: float):
+        if norm_type == 0:
+            raise ValueError("per-module gradient norms of order 0 (a count of tensors) are not available")
         self.inner = inner  # a ClipPolicy
-        self.prefixes = prefixes  # id(grad) -> module name
+        self.prefixes = prefixes  # id(grad), or id of its local shard for a DTensor -> module name
         self.index = {m: i for i, m in enumerate(modules)}
         self.modules = modules
         self.norm_type = norm_type
@@ -162,33 +169,65 @@ class LayerStatsProbe:
     def clip_grads_(self, *args, **kwargs):  # gradients the fused path cannot run: the policy's own way
         return self.inner.clip_grads_(*args, **kwargs)
 
-    def observe_stats(self, group, stats, inv_scale: Tensor) -> None:
-        self.parts.append((group, stats, inv_scale))
+    def observe_stats(self, group, stats, inv_scale: Tensor, across=()) -> None:
+        """``stats`` (``multi_tensor_stats`` of ``group``, scaled by ``inv_scale``) of tensors that
+        are shards over the process groups ``across`` (none: whole tensors). ``stats`` None: no
+        statistics, for an empty ``group`` (a rank with no shard: nothing to add) or because
+        torch measured them (their modules report NaN)."""
+        self.parts.append((group, stats, inv_scale, tuple(across)))
 
     def values(self, device: torch.device) -> Tensor:
         """``[norm per module..., largest magnitude per module...]`` (float64, on ``device``),
-        NaN for every module when the statistics were not taken (gradients torch had to clip)."""
+        NaN for every module when the statistics were not taken (gradients torch had to clip),
+        and for the modules of shards torch measured. A collective for shards: every rank of
+        their groups calls it."""
         n, p = len(self.modules), self.norm_type
         if not self.parts:
             return torch.full((2 * n,), math.nan, dtype=torch.float64, device=device)
-        sums = torch.zeros(n, dtype=torch.float64, device=device)
-        amax = torch.zeros(n, dtype=torch.float64, device=device)
-        for group, stats, inv in self.parts:
-            idx = torch.tensor([self.index[self.prefixes[id(g)]] for g in group], device=device)
+        identity = math.inf if p == -math.inf else 0.0  # what adds nothing to a module's partial
+        # Per set of process groups the tensors are split over: the partials of this rank.
+        partials: dict[tuple, tuple[tuple, Tensor, Tensor]] = {}
+        for group, stats, inv, across in self.parts:
+            key = tuple(map(id, across))
+            if key not in partials:
+                empty = torch.full((n,), identity, dtype=torch.float64, device=device)
+                partials[key] = (across, empty, torch.zeros(n, dtype=torch.float64, device=device))
+            _, sums, amax = partials[key]
+            idx = torch.tensor([self.index[self.prefixes[id(g)]] for g in group], dtype=torch.int64, device=device)
+            if stats is None:  # not taken (no shard: idx is empty)
+                sums.index_fill_(0, idx, math.nan)
+                amax.index_fill_(0, idx, math.nan)
+                continue
             norms = stats.norms.double().to(device) * inv.double().to(device)
             if math.isinf(p):
-                sums.scatter_reduce_(0, idx, norms, "amax" if p > 0 else "amin", include_self=p > 0)
+                sums.scatter_reduce_(0, idx, norms, "amax" if p > 0 else "amin")
             else:
                 sums.index_add_(0, idx, norms.pow(p))
             amax.scatter_reduce_(0, idx, stats.amax.double().to(device) * inv.double().to(device), "amax")
-        norms = sums if math.isinf(p) else sums.pow(1.0 / p)
-        return torch.cat([norms, amax])
+        total_sums = total_amax = None
+        for across, sums, amax in partials.values():  # the same sets, in the same order, on every rank
+            sums, amax = combine_module_stats(sums, amax, p, across)
+            if total_sums is None:
+                total_sums, total_amax = sums, amax
+                continue
+            if math.isinf(p):
+                total_sums = torch.maximum(total_sums, sums) if p > 0 else torch.minimum(total_sums, sums)
+            else:
+                total_sums = total_sums + sums
+            total_amax = torch.maximum(total_amax, amax)
+        norms = total_sums if math.isinf(p) else total_sums.pow(1.0 / p)
+        return torch.cat([norms, total_amax])
 
 
-def check_log_grad_norms(depth, clip) -> None:
+def check_log_grad_norms(depth, clip, norm_type: float = 2.0) -> None:
     if depth is None:
         return
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"TrainConfig.log_grad_norms must be a module depth >= 1 or None, got {depth!r}")
     if clip == "agc":
         raise ValueError("TrainConfig.log_grad_norms is not available with clip='agc' (its passes are per unit)")
+    if norm_type == 0:
+        raise ValueError(
+            "TrainConfig.log_grad_norms is not available with norm_type=0 (a count of non-zero tensors, "
+            "which has no per-module norm here)"
+        )

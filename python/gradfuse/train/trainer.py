@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
+from ..distributed import is_dtensor
 from ..scaler import GradScaler
 from . import checkpoint, sharded_checkpoint
 from . import resume as resuming
@@ -378,8 +379,12 @@ class Trainer:
         from ..clipping import NormClip
 
         policy = limit if hasattr(limit, "clip_grads_") else NormClip(limit)
+        # The scaler reads DTensor gradients (FSDP2) as their local shards: those are the keys
+        # then (``_local_tensor`` is the object the DTensor holds, the same on every access).
         prefixes = {
-            id(p.grad): module_prefix(n, cfg.log_grad_norms) for p, n in self.param_names.items() if p.grad is not None
+            id(p.grad._local_tensor if is_dtensor(p.grad) else p.grad): module_prefix(n, cfg.log_grad_norms)
+            for p, n in self.param_names.items()
+            if p.grad is not None
         }
         return LayerStatsProbe(policy, prefixes, list(dict.fromkeys(prefixes.values())), cfg.norm_type)
 
