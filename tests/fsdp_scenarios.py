@@ -422,3 +422,28 @@ def per_module_norms_match_ddp_and_one_process(rank, world):
                 msg = f"{key} step {row['step']} order {norm_type}"
                 torch.testing.assert_close(row[key], ddp_row[key], rtol=1e-5, atol=0, msg=msg)
                 torch.testing.assert_close(row[key], ref[key], rtol=1e-5, atol=0, msg=msg)
+
+
+def agc_matches_ddp(rank, world):
+    """clip="agc" under FSDP2: the rows of each matrix are whole on their rank (FSDP2 shards
+    dim 0), and each bias (and the one-element Gain, an empty shard on rank 1) is one unit
+    whose weight and gradient norms come from the ranks' partials in one all-reduce per step.
+    Losses, total norms and weights equal the DDP Trainer's within fp32 tolerance, for orders 2
+    and inf, in fp32 and in fp16 (the unscale folded into AGC's write); the clip was active
+    (the weights differ from an unclipped run's), and no step overflowed."""
+    # fp16 without Gain: autocast multiplies by its fp32 scale where FSDP2 casts it to fp16.
+    cases = [(2.0, "fp32", model_with_gain), (float("inf"), "fp32", model_with_gain), (2.0, "fp16", model)]
+    for norm_type, precision, make_model in cases:
+        options = {"clip_factor": 0.02, "norm_type": norm_type}
+        common = dict(make_model=make_model, max_grad_norm=None)
+        _, rows, weights = train("fsdp", precision, rank, world, clip="agc", clip_options=options, **common)
+        _, ddp_rows, ddp_weights = train("ddp", precision, rank, world, clip="agc", clip_options=options, **common)
+        _, _, free_weights = train("fsdp", precision, rank, world, **common)
+        msg = f"order {norm_type} {precision}"
+        for key in ("loss", "grad_norm"):
+            mine, theirs = [r[key] for r in rows], [r[key] for r in ddp_rows]
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=0, msg=f"{key} {msg}")
+        assert rows[-1]["skipped"] == 0, (msg, rows)
+        for a, b in zip(weights, ddp_weights, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=msg)
+        assert any((a - b).abs().max() > 1e-4 for a, b in zip(weights, free_weights, strict=True)), msg

@@ -11,6 +11,13 @@ gradient for the unit norms (``gradfuse::unit_norms``), then one write of the gr
 that are clipped (``gradfuse::scale_units_``); the factors in between are a few element-wise
 ops over the unit norms (one value per unit), on the device, with no host sync.
 
+DTensor parameters (FSDP2's ``fully_shard``) are clipped from their local shards, exactly: FSDP2
+shards dim 0, so a row of a tensor with more than one dimension (its unit) is whole on one
+rank; a tensor of at most one dimension is one unit spread over the ranks, whose weight and
+gradient norms are combined from the ranks' partials by one all-reduce between the two passes
+(with the total norm's partial and the inf/NaN flag riding it). Placements that split a row
+(``Shard(1)`` of a matrix, ``Partial``) raise.
+
 Where timm's arithmetic differs: its norms are computed by torch in the parameters' dtype
 (a bf16 weight's norm in bf16); here every unit norm accumulates in float32 (float64 for
 float64 tensors), and the factors are formed in float32 as timm forms them for fp32 models.
@@ -21,8 +28,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from . import _plan as P
+from . import distributed as D
 from ._policy_state import _check_config, _check_keys
 from .ops import _check_units
 
@@ -51,6 +60,9 @@ def _agc(parameters, clip_factor, eps, norm_type, inv_scale: Tensor | None):
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.tensor(0.0), {}
+    if D.is_dtensor(params[0].grad):  # FSDP2: from the local shards
+        with torch.no_grad():
+            return _agc_sharded(params, clip_factor, eps, norm_type, inv_scale)
     by_device: dict[torch.device, list[Tensor]] = {}
     for p in params:
         by_device.setdefault(p.grad.device, []).append(p)
@@ -64,8 +76,7 @@ def _agc(parameters, clip_factor, eps, norm_type, inv_scale: Tensor | None):
             w_norm, g_norm = norms.split(sum(units))
             if inv_scale is not None:
                 g_norm = g_norm * inv_scale.to(device, g_norm.dtype)
-            max_norm = w_norm.clamp(min=eps).mul_(clip_factor)
-            factors = torch.where(g_norm < max_norm, 1.0, max_norm / g_norm.clamp(min=1e-6))
+            factors = _factors(w_norm, g_norm, clip_factor, eps)
             if inv_scale is not None:
                 factors = factors * inv_scale.to(device, factors.dtype)
             torch.ops.gradfuse.scale_units_(grads, units, factors)
@@ -78,6 +89,100 @@ def _agc(parameters, clip_factor, eps, norm_type, inv_scale: Tensor | None):
         else torch.linalg.vector_norm(torch.stack([t.to(first) for t in totals]), norm_type)
     )
     return total, found
+
+
+def _factors(w_norm: Tensor, g_norm: Tensor, clip_factor: float, eps: float) -> Tensor:
+    """timm's rule per unit: ``max_norm / max(||G||, 1e-6)`` where ``||G|| >= max_norm``, else 1."""
+    max_norm = w_norm.clamp(min=eps).mul_(clip_factor)
+    return torch.where(g_norm < max_norm, 1.0, max_norm / g_norm.clamp(min=1e-6))
+
+
+def _sharded_locals(params: list[Tensor]):
+    """{sharded mesh dims: [(local weight, local grad, whole tensor is one unit)]} and the
+    process groups of each set, for DTensor parameters whose rows are whole on each rank."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = params[0].grad.device_mesh
+    by_dims: dict[tuple[int, ...], list[tuple[Tensor, Tensor, bool]]] = {}
+    for i, p in enumerate(params):
+        g = p.grad
+        if not isinstance(p, DTensor) or not isinstance(g, DTensor) or g.device_mesh != mesh:
+            raise ValueError(f"AGC: parameter {i} and its gradient must be DTensors on one mesh, as the first's")
+        if tuple(p.placements) != tuple(g.placements) or not all(
+            isinstance(q, Shard | Replicate) for q in g.placements
+        ):
+            raise ValueError(
+                f"AGC: parameter {i} has placements {tuple(p.placements)}, gradient {tuple(g.placements)}: "
+                "AGC needs Shard or Replicate, the same for both"
+            )
+        if p.dim() > 1 and any(isinstance(q, Shard) and q.dim != 0 for q in g.placements):
+            raise ValueError(
+                f"AGC: parameter {i} {tuple(p.shape)} is sharded along {tuple(g.placements)}: its units (rows along "
+                "dim 0) are split across ranks"
+            )
+        dims = tuple(d for d, q in enumerate(g.placements) if isinstance(q, Shard))
+        by_dims.setdefault(dims, []).append((p._local_tensor.detach(), g._local_tensor, p.dim() <= 1))
+    return {dims: (items, [mesh.get_group(d) for d in dims]) for dims, items in by_dims.items()}
+
+
+def _agc_sharded(params: list[Tensor], clip_factor, eps, norm_type, inv_scale: Tensor | None):
+    """``_agc`` for DTensor parameters (module docstring), per set of sharded mesh dims: pass 1
+    reads the local weight and gradient units (rows, and the local part of each tensor of at
+    most one dimension as one unit); one all-reduce (SUM of ``|x|**p`` partials, or MAX for
+    order inf) gives every rank the whole norms of the tensors of at most one dimension, the
+    total's partial and the inf/NaN flag; pass 2 writes the local units. Every rank calls the
+    same collectives, whatever its shards."""
+    p, finite = float(norm_type), math.isfinite(norm_type)
+    powered_totals, flags = [], []
+    first = params[0].grad._local_tensor.device
+    for items, groups in _sharded_locals(params).values():
+        rows = [(w, g) for w, g, whole in items if not whole and g.numel()]
+        flats = [(w, g) for w, g, whole in items if whole]
+        local = [j for j, (_, g) in enumerate(flats) if g.numel()]  # the flat units with elements here
+        weights = [w for w, _ in rows] + [flats[j][0] for j in local]
+        grads = [g for _, g in rows] + [flats[j][1] for j in local]
+        units = [g.shape[0] for _, g in rows] + [1] * len(local)
+        devices = {t.device for t in weights + grads}
+        if devices - {first}:
+            raise ValueError(f"AGC: the local shards are on several devices ({sorted(map(str, devices))})")
+        _check_units("gradfuse.adaptive_clip_grad_", grads, units)  # before any pass
+        n_rows, k = sum(units) - len(local), len(flats)
+        if grads:
+            w_norm, g_norm = torch.ops.gradfuse.unit_norms(weights + grads, units + units, p).split(sum(units))
+        else:  # nothing here: the all-reduce still needs this rank
+            w_norm = g_norm = torch.zeros(0, dtype=torch.float32, device=first)
+        if inv_scale is not None:
+            g_norm = g_norm * inv_scale.to(first, g_norm.dtype)
+        index = torch.tensor(local, dtype=torch.int64, device=first)
+        partial_w = torch.zeros(k, dtype=torch.float64, device=first)
+        partial_g = torch.zeros(k, dtype=torch.float64, device=first)
+        to_partial = (lambda x: x.double().pow(p)) if finite else (lambda x: x.double())
+        partial_w.index_copy_(0, index, to_partial(w_norm[n_rows:]))
+        partial_g.index_copy_(0, index, to_partial(g_norm[n_rows:]))
+        row_g = torch.cat([to_partial(g_norm[:n_rows]), torch.zeros(1, dtype=torch.float64, device=first)])
+        row_total = row_g.sum() if finite else row_g.amax()  # the rows' part of the total (0: none here)
+        flag = (~torch.isfinite(g_norm)).any().double()
+        both = torch.cat([partial_w, partial_g, row_total.reshape(1), flag.reshape(1)])
+        op = dist.ReduceOp.SUM if finite else dist.ReduceOp.MAX
+        for group in groups:
+            dist.all_reduce(both, op=op, group=group)
+        whole_w, whole_g, row_total, flag = both.split([k, k, 1, 1])
+        whole = torch.cat([row_total, whole_g])  # every unit's part of the total, over all ranks
+        powered_totals.append(whole.sum() if finite else whole.amax())
+        flags.append(flag[0] > 0)
+        if not grads:
+            continue
+        to_norm = (lambda x: x.pow(1.0 / p)) if finite else (lambda x: x)
+        flat_w = to_norm(whole_w).index_select(0, index).to(w_norm.dtype)
+        flat_g = to_norm(whole_g).index_select(0, index).to(g_norm.dtype)
+        factors = _factors(torch.cat([w_norm[:n_rows], flat_w]), torch.cat([g_norm[:n_rows], flat_g]), clip_factor, eps)
+        if inv_scale is not None:
+            factors = factors * inv_scale.to(first, factors.dtype)
+        torch.ops.gradfuse.scale_units_(grads, units, factors)
+    powered = torch.stack(powered_totals)
+    total = (powered.sum().pow(1.0 / p) if finite else powered.amax()).float()
+    found = torch.stack(flags).any().float()
+    return total, {first: found}
 
 
 class AGC:

@@ -369,6 +369,13 @@ class GradScaler(torch.amp.GradScaler):
             if total is not None:
                 return total
         unscale_and_clip = getattr(policy, "unscale_and_clip_grads_", None)  # per-unit (AGC)
+        if groups is None and grads and D.is_dtensor(grads[0]) and unscale_and_clip is not None:
+            # FSDP2: the local shards' units, the ranks' partials combined by one all-reduce
+            # between its two passes, which also agrees the inf/NaN flag (agc.py).
+            _, inv = self._scales(grads[0].device, divisor)
+            total, found = unscale_and_clip(params, inv)
+            self._record(optimizer, found, None)
+            return total
         if groups is not None and unscale_and_clip is not None:
             try:  # its own two passes, the unscale folded into the clip's write
                 with torch.no_grad():

@@ -136,13 +136,6 @@ class TrainConfig:
         for name in ("reshard_after_forward", "cpu_offload"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"must be True or False, got {getattr(self, name)!r}", TypeError)
-        if self.parallel == "fsdp" and self.clip == "agc":
-            # AGC needs statistics of whole tensors per unit that FSDP2 splits across the ranks;
-            # refused here so that a 1-process run does not accept what 2 ranks refuse.
-            _fail(
-                "clip",
-                "is 'agc' (per-unit norms), which parallel='fsdp' does not support; use norm, zclip or autoclip",
-            )
         if self.parallel != "fsdp":  # an FSDP setting under DDP would be silently ignored
             set_here = {"fsdp_units": bool(units), "reshard_after_forward": not self.reshard_after_forward}
             set_here["cpu_offload"] = self.cpu_offload
