@@ -447,3 +447,28 @@ def agc_matches_ddp(rank, world):
         for a, b in zip(weights, ddp_weights, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=msg)
         assert any((a - b).abs().max() > 1e-4 for a, b in zip(weights, free_weights, strict=True)), msg
+
+
+def agc_refuses_shards_that_split_its_units(rank, world):
+    """A matrix sharded along dim 1 (tensor parallel's Shard(1)) has its rows, AGC's units,
+    split across the ranks: a ValueError naming the parameter on every rank, before any pass
+    (the gradients unchanged)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from gradfuse.agc import adaptive_clip_grad_
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(9)
+    rows = nn.Parameter(distribute_tensor(torch.randn(4, 6, generator=gen), mesh, [Shard(0)]))
+    cols = nn.Parameter(distribute_tensor(torch.randn(4, 6, generator=gen), mesh, [Shard(1)]))
+    for p in (rows, cols):
+        p.grad = distribute_tensor(torch.randn(4, 6, generator=gen), mesh, p.placements)
+    before = [p.grad.to_local().clone() for p in (rows, cols)]
+    try:
+        adaptive_clip_grad_([rows, cols], clip_factor=1e-3)
+    except ValueError as err:
+        assert re.search(r"AGC: parameter 1 \(4, 6\) is sharded along .*Shard\(dim=1\)", str(err)), str(err)
+    else:
+        raise AssertionError("no error for a Shard(1) matrix")
+    assert all(torch.equal(p.grad.to_local(), b) for p, b in zip((rows, cols), before, strict=True))

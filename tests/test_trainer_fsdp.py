@@ -31,6 +31,7 @@ SCENARIOS = [
     "the_optimizer_is_carried_over_group_by_group",
     "per_module_norms_match_ddp_and_one_process",
     "agc_matches_ddp",
+    "agc_refuses_shards_that_split_its_units",
 ]
 
 

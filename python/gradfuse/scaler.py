@@ -24,7 +24,9 @@ state dict saved by either loads into the other. Two things change:
   DTensor gradients (FSDP2, tensor parallel) are read as their local shards, and one
   all-reduce gives every rank the total norm and the inf/NaN flag together, so that all ranks
   clip alike and skip alike; torch's fused AdamW takes DTensor parameters, and the clip is
-  folded into its read as for plain gradients.
+  folded into its read as for plain gradients. A probe of per-module statistics (the Trainer's
+  ``log_grad_norms``) gets those of the local shards from the same read; AGC clips the local
+  shards' units in its own two passes (``agc.py``).
 
 Clipping without loss scaling (bf16 or fp32 training) is the same call on a disabled scaler,
 ``GradScaler(enabled=False)``: ``scale`` returns the loss unchanged, ``update`` does nothing,
