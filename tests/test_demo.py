@@ -97,6 +97,12 @@ def test_demo_under_torchrun_trains_sharded_with_fsdp(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 4] and rows[-1]["loss"] < rows[0]["loss"]
     assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows)
+    # Per-block norms from the ranks' shards: the blocks partition the parameters, so their
+    # squares add up to the total's (fp32 sums in another order: 1e-5 relative).
+    for r in rows:
+        blocks = [v for k, v in r.items() if k.startswith("grad_norm/")]
+        assert "grad_norm/blocks.0" in r and all(math.isfinite(v) and v > 0 for v in blocks), r
+        assert math.sqrt(sum(v * v for v in blocks)) == pytest.approx(r["grad_norm"], rel=1e-5)
 
 
 def test_a_missing_matplotlib_is_a_clear_message_not_a_crash(tmp_path, monkeypatch, capsys):

@@ -232,9 +232,9 @@ def run(args: argparse.Namespace) -> int:
         save_every=max(1, args.steps // 2),
         keep_last=2,
         log_every=10,
-        # Per-block gradient norms in the rows (and the chart): blocks.0, wte, ... (whole tensors: not
-        # under FSDP2, whose ranks each hold a shard of every tensor).
-        log_grad_norms=2 if args.parallel != "fsdp" else None,
+        # Per-block gradient norms in the rows (and the chart): blocks.0, wte, ... (under FSDP2 from
+        # each rank's shards, combined across the ranks on log steps).
+        log_grad_norms=2,
         metrics_path=out / "metrics.jsonl",
         eval_every=max(10, args.steps // 5),
         seed=args.seed,
