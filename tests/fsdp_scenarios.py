@@ -389,7 +389,7 @@ def per_module_norms_match_ddp_and_one_process(rank, world):
     clip's own read (multi_tensor_stats), and one (order inf) or two (finite orders) small
     all-reduces combine the ranks; the grad_norm/<m> and grad_amax/<m> of every step equal the
     DDP Trainer's and one process's (float64, on the combined batch), within fp32 tolerance (the
-    summation orders differ, see the module docstring). Module "4" (Gain) is an empty shard on
+    summation orders differ, see the module docstring); in fp16 the DDP Trainer's. Module "4" (Gain) is an empty shard on
     rank 1: that rank still joins the collectives and adds nothing."""
     real_reduce, calls = dist.all_reduce, []
 
@@ -422,6 +422,14 @@ def per_module_norms_match_ddp_and_one_process(rank, world):
                 msg = f"{key} step {row['step']} order {norm_type}"
                 torch.testing.assert_close(row[key], ddp_row[key], rtol=1e-5, atol=0, msg=msg)
                 torch.testing.assert_close(row[key], ref[key], rtol=1e-5, atol=0, msg=msg)
+    # fp16: the statistics of the loss-scaled shards, unscaled by the probe, as DDP's (the model
+    # without Gain, which autocast multiplies in fp32 where FSDP2 casts it to fp16).
+    _, rows, _ = train("fsdp", "fp16", rank, world, log_grad_norms=1)
+    _, ddp_rows, _ = train("ddp", "fp16", rank, world, log_grad_norms=1)
+    assert rows[0]["loss_scale"] == 2.0**16 and rows[-1]["skipped"] == 0, rows
+    for row, ddp_row in zip(rows, ddp_rows, strict=True):
+        for key in [f"grad_{kind}/{m}" for kind in ("norm", "amax") for m in "0123"]:
+            torch.testing.assert_close(row[key], ddp_row[key], rtol=1e-5, atol=0, msg=f"fp16 {key}")
 
 
 def agc_matches_ddp(rank, world):
