@@ -389,8 +389,8 @@ def per_module_norms_match_ddp_and_one_process(rank, world):
     clip's own read (multi_tensor_stats), and one (order inf) or two (finite orders) small
     all-reduces combine the ranks; the grad_norm/<m> and grad_amax/<m> of every step equal the
     DDP Trainer's and one process's (float64, on the combined batch), within fp32 tolerance (the
-    summation orders differ, see the module docstring); in fp16 the DDP Trainer's. Module "4" (Gain) is an empty shard on
-    rank 1: that rank still joins the collectives and adds nothing."""
+    summation orders differ, see the module docstring); in fp16 the DDP Trainer's. Module "4"
+    (Gain) is an empty shard on rank 1: that rank still joins the collectives and adds nothing."""
     real_reduce, calls = dist.all_reduce, []
 
     def counting(*args, **kwargs):
