@@ -76,3 +76,26 @@ def an_inf_in_one_ranks_shard_skips_the_step_on_every_rank(rank, world):
         assert scaler.get_scale() == 2.0**9, msg
         for q in params:
             assert not q.to_local().any(), msg
+
+
+def fp64_gradients_give_an_fp64_norm_on_every_rank(rank, world):
+    """fp64 gradients whose only shard on rank 1 is empty: the norm is float64 on every rank
+    (as in one process), the same value everywhere, so every rank clips by the same factor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.tensor([[3.0, -4.0, 12.0]], dtype=torch.float64)  # one row: rank 1's shard is empty
+    for p in (2.0, math.inf, -math.inf, -1.0):
+        param = nn.Parameter(distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]))
+        param.grad = distribute_tensor(full.clone(), mesh, [Shard(0)])
+        opt = torch.optim.SGD([param], lr=1.0)
+        scaler = gradfuse.GradScaler("cpu", enabled=False)
+        total = scaler.unscale_and_clip_(opt, 0.5, p)
+        want = torch.linalg.vector_norm(full, p)
+        msg = f"order {p}, rank {rank}"
+        assert total.dtype == torch.float64, (msg, total.dtype)
+        assert math.isclose(total.item(), want.item(), rel_tol=1e-12), (msg, total, want)
+        everyone = [torch.empty_like(total) for _ in range(world)]
+        torch.distributed.all_gather(everyone, total)
+        assert all(torch.equal(t, everyone[0]) for t in everyone), (msg, everyone)

@@ -116,31 +116,34 @@ def _local_norm_and_flag(
     collectives later."""
     nonempty = [t for t in shards if t.numel()]
     nothing = torch.zeros((), dtype=torch.float32, device=device)
+    # The fused kernels' rule, from every shard (also the empty ones, whose dtype is the
+    # DTensor's): so a rank without elements ends with the other ranks' dtype.
+    out = torch.float64 if any(t.dtype == torch.float64 for t in shards) else torch.float32
     if not nonempty:
         if observe is not None:
             observe([], None, inv_scale, across)
-        return D.norm_of_nothing(norm_type, device), nothing
+        return D.norm_of_nothing(norm_type, device).to(out), nothing
     groups = _fused_groups(nonempty, one_device=False)
     if groups is not None:
         try:
             if observe is not None:
                 total, found = GradScaler._measure_for_policy(groups, inv_scale, norm_type, observe, across)
-                return total.to(device), torch.stack([f.to(device) for f in found.values()]).amax()
+                return total.to(device, out), torch.stack([f.to(device) for f in found.values()]).amax()
             _check_all(groups)
             norms, found = [], []
             for group_device, group in groups.items():
                 norm, flag = unscale_check_norm(group, inv_scale.to(group_device), norm_type)
                 norms.append(norm)
                 found.append(flag.to(device))
-            return _combine_totals(norms, norm_type), torch.stack(found).amax()
+            return _combine_totals(norms, norm_type).to(out), torch.stack(found).amax()
         except _TORCHS:
             pass
     if observe is not None:
         observe(nonempty, None, inv_scale, across)
-    norms = [torch.linalg.vector_norm(t.float() * inv_scale.to(t.device), norm_type) for t in nonempty]
+    norms = [torch.linalg.vector_norm(t.to(out) * inv_scale.to(t.device), norm_type) for t in nonempty]
     per_tensor = torch.stack(norms)
     found = torch.stack([(~torch.isfinite(t)).any().to(device) for t in nonempty]).any().float()
-    return torch.linalg.vector_norm(per_tensor.to(device), norm_type), found
+    return torch.linalg.vector_norm(per_tensor.to(device), norm_type).to(out), found
 
 
 def _plain(total: Tensor) -> Tensor:
