@@ -1,7 +1,8 @@
 """Scenarios run on every rank of a 2-rank gloo process group by ``tests/test_scaler_dtensor.py``:
 ``GradScaler.unscale_and_clip_`` over DTensor gradients (the local shards' read, then one
 all-reduce of the norm and the inf/NaN flag together), against an unscale and clip of the
-same gradients in float64, for every norm order."""
+same gradients in float64, for every norm order; and the dtype of the norm where a rank's shards
+are all empty, for the scaler and ``clip_grad_norm_``."""
 
 from __future__ import annotations
 
@@ -99,3 +100,22 @@ def fp64_gradients_give_an_fp64_norm_on_every_rank(rank, world):
         everyone = [torch.empty_like(total) for _ in range(world)]
         torch.distributed.all_gather(everyone, total)
         assert all(torch.equal(t, everyone[0]) for t in everyone), (msg, everyone)
+
+
+def fp64_clip_grad_norm_gives_an_fp64_norm_on_every_rank(rank, world):
+    """The same for ``gradfuse.clip_grad_norm_`` / ``get_total_norm`` (a replicated DTensor
+    whose local value must be float64 on every rank, as torch's is)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.tensor([[3.0, -4.0, 12.0]], dtype=torch.float64)  # one row: rank 1's shard is empty
+    for p in (2.0, math.inf, -math.inf, -1.0):
+        param = nn.Parameter(distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]))
+        param.grad = distribute_tensor(full.clone(), mesh, [Shard(0)])
+        want = torch.linalg.vector_norm(full, p)
+        msg = f"order {p}, rank {rank}"
+        for total in (gradfuse.get_total_norm([param.grad], p), gradfuse.clip_grad_norm_([param], 0.5, p)):
+            local = total.to_local()
+            assert local.dtype == torch.float64, (msg, local.dtype)
+            assert math.isclose(local.item(), want.item(), rel_tol=1e-12), (msg, local, want)

@@ -18,6 +18,7 @@ SCENARIOS = [
     "scaler_clip_of_dtensor_grads_matches_torch",
     "an_inf_in_one_ranks_shard_skips_the_step_on_every_rank",
     "fp64_gradients_give_an_fp64_norm_on_every_rank",
+    "fp64_clip_grad_norm_gives_an_fp64_norm_on_every_rank",
 ]
 
 

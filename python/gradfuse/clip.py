@@ -167,10 +167,13 @@ def _local_norm(shards: list[Tensor], norm_type: float, device: torch.device) ->
     adds nothing (a rank may hold none of a small tensor), so empty ones are left out; with none
     left the result is the combine's identity. None when torch must answer."""
     nonempty = [t for t in shards if t.numel()]
+    # The fused kernels' rule, from every shard (also the empty ones, whose dtype is the
+    # DTensor's): so a rank without elements ends with the other ranks' dtype.
+    out = torch.float64 if any(t.dtype == torch.float64 for t in shards) else torch.float32
     if not nonempty:
-        return D.norm_of_nothing(norm_type, device)
+        return D.norm_of_nothing(norm_type, device).to(out)
     total = _run_fused(nonempty, lambda groups: _total_norm(groups, norm_type, False))
-    return None if total is _TO_TORCH else total
+    return None if total is _TO_TORCH else total.to(out)
 
 
 def _nonzero_counts(groups: dict[torch.device, list[Tensor]]) -> Tensor:
