@@ -49,7 +49,7 @@ from torch.amp.grad_scaler import OptState
 
 from . import _plan as P
 from . import distributed as D
-from .clip import _TORCHS, _check_all, _combine_totals, _fused_groups
+from .clip import _TO_TORCH, _TORCHS, _check_all, _combine_totals, _fused_groups, _nonzero_counts, _run_fused
 from .ddp_hook import DDPHookState, state_for
 from .ops import check_max_norm, multi_tensor_scale_, unscale_and_check_, unscale_and_clip_, unscale_check_norm
 
@@ -483,8 +483,11 @@ class GradScaler(torch.amp.GradScaler):
                 groups = across[dims]
                 norm, found = D.combine_norm_and_flag(norm, found, norm_type or 1.0, groups)
                 if norm_type == 0:  # a tensor counts once however it is sharded
-                    counts = torch.stack([torch.count_nonzero(t).to(device) for t in shards]).float()
-                    norm = D.count_nonzero_across(counts, groups)
+                    counts = _run_fused(shards, _nonzero_counts)  # one read per device, as the clip's
+                    if counts is _TO_TORCH:
+                        counts = torch.stack([torch.count_nonzero(t).to(device) for t in shards])
+                    # float32 on every rank, whichever way each counted: the all-reduce pairs them.
+                    norm = D.count_nonzero_across(counts.to(device, torch.float32), groups)
                 totals.append(norm)
                 flags.append(found)
             total = _combine_totals(totals, norm_type)
