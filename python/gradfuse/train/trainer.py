@@ -320,10 +320,11 @@ class Trainer:
             loss = loss / self.config.grad_accum_steps
         return loss, count
 
-    def _rerun_locally(self, batches: list) -> torch.Tensor:
+    def _rerun_locally(self, batches: Iterable) -> torch.Tensor:
         """The step's micro-batches again on this rank alone (``no_sync``: no gradient
         communication), for the attribution of an overflow step; returns their summed loss, as
-        ``_forward_backward`` adds it up."""
+        ``_forward_backward`` adds it up. Each batch is taken from ``batches`` right before its
+        forward (the attribution's iterable sets the random states as it yields it)."""
         loss = torch.zeros((), device=self.device)
         with self.grads.no_sync():
             for batch in batches:
