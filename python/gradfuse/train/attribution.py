@@ -45,22 +45,15 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..distributed import is_dtensor
 from ..ops import multi_tensor_stats
 
 Tensor = torch.Tensor
 NamedGrads = Iterable[tuple[str, Tensor | None]]
 
 
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without DTensor
-        return False
-    return isinstance(t, DTensor)
-
-
 def _local(grad: Tensor | None) -> Tensor | None:
-    return grad.to_local() if _is_dtensor(grad) else grad
+    return grad.to_local() if is_dtensor(grad) else grad
 
 
 def nonfinite_counts(grads: Sequence[Tensor | None]) -> Tensor:
@@ -169,7 +162,7 @@ class NonfiniteAttribution:
         self.world_size = world_size
         # Several ranks and plain (replicated, reduced) parameters: DDP, whose gradients must be
         # recomputed to tell the ranks apart; DTensor parameters are sharded, their shards tell.
-        self.recompute = world_size > 1 and not any(_is_dtensor(p) for p in model.parameters())
+        self.recompute = world_size > 1 and not any(is_dtensor(p) for p in model.parameters())
         self.named = [(n, p) for n, p in model.named_parameters()]
         # (micro-batch, the random states its forward began with), for a recompute of this step.
         self._kept: list[tuple[object, tuple[Tensor, Tensor | None]]] = []
@@ -208,7 +201,7 @@ class NonfiniteAttribution:
         names = [n for n, _ in self.named]
         step_counts = nonfinite_counts([p.grad for _, p in self.named])
         if not self.recompute:  # one process, or DTensor shards: the gradients at hand tell
-            sharded = any(_is_dtensor(p.grad) for _, p in self.named)
+            sharded = any(is_dtensor(p.grad) for _, p in self.named)
             group, world = (self.group, self.world_size) if sharded else (None, 1)
             per_rank = _gather(step_counts, group).tolist() if world > 1 else [step_counts.tolist()]
             ranks = _ranks_by_name(names, per_rank)
