@@ -585,9 +585,13 @@ class Trainer:
         """Load ``state``; the settings given now win where they differ from the saved ones
         (module ``resume``), and what changed is logged once."""
         cfg = self.config
+        group = getattr(self.world, "group", None)
+        # Before anything is loaded: a rank that refused alone would leave the others waiting.
+        folders_only = "a model sharded by FSDP2" if getattr(self.grads, "sharded", False) else None
+        sharded_checkpoint.agree_on_checkpoint(path, group, folders_only=folders_only)
         changed = resuming.config_changes(state.get("config", {}), cfg.to_dict())
         if path.is_dir():  # sharded (sharded_checkpoint.py): through DCP, on any world size
-            group, world = getattr(self.world, "group", None), self.world
+            world = self.world
             load = functools.partial(sharded_checkpoint.load_model_and_optimizer, path, self.model, group=group)
             changed += resuming.keep_optimizer_settings(self.optimizer, load)
             own = sharded_checkpoint.rank_part(
