@@ -151,17 +151,17 @@ def load_model_and_optimizer(folder: str | os.PathLike, model: torch.nn.Module, 
 
 
 def agree_on_checkpoint(path: str | os.PathLike, group, *, folders_only: str | None = None) -> None:
-    """Check, on every rank of ``group`` together (``None``: this process alone, nothing to
-    check), that the ranks resume alike: one sharded checkpoint folder on every rank, or single
-    files on every rank (``folders_only``: what needs a folder, for the message). Otherwise every rank raises
-    ``CheckpointError`` naming each rank's checkpoint: a rank that refused alone would leave the
-    others waiting in the collectives of a sharded load. Each rank picks its checkpoint itself
-    (``resume="latest"``)."""
-    if group is None:
-        return
+    """Check, on every rank of ``group`` together (``None``: this process alone), that the ranks
+    resume alike: one sharded checkpoint folder on every rank, or single files on every rank
+    (``folders_only``: folders only, and what needs them, for the message). Otherwise every rank
+    raises ``CheckpointError`` naming each rank's checkpoint: a rank that refused alone would
+    leave the others waiting in the collectives of a sharded load. Each rank picks its
+    checkpoint itself (``resume="latest"``)."""
     mine = (os.fspath(Path(path).resolve()), Path(path).is_dir())
-    chosen: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(chosen, mine, group=group)
+    chosen: list = [mine]
+    if group is not None:
+        chosen = [None] * dist.get_world_size(group)
+        dist.all_gather_object(chosen, mine, group=group)
     named = ", ".join(f"rank {rank}: {name}" for rank, (name, _) in enumerate(chosen))
     files = [name for name, is_folder in chosen if not is_folder]
     if folders_only and files:

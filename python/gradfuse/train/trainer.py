@@ -598,12 +598,7 @@ class Trainer:
                 state["ranks"], world.rank, world.world_size, announce=world.is_main, where=f" from {path}"
             )
             state = {**state, **own}
-        else:
-            if getattr(self.grads, "sharded", False):
-                raise checkpoint.CheckpointError(
-                    f"{path} is a single-file checkpoint (whole tensors); a model sharded by FSDP2 resumes from a "
-                    "sharded checkpoint folder (step-XXXXXXXX/)"
-                )
+        else:  # a model sharded by FSDP2 was refused a single file above
             self.model.load_state_dict(resuming.module_state(state["model"], self.model))
             changed += resuming.load_optimizer(self.optimizer, state["optimizer"])
         changed += resuming.load_schedule(self.scheduler, state["scheduler"], self.optimizer, self._base_lrs)
