@@ -123,6 +123,33 @@ def ddp_inf_on_rank_1_names_the_parameter_and_rank_1(rank, world):
     assert any(not torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))  # it trains on
 
 
+class Augmented:
+    """``batches`` with noise drawn from torch's global generator as each batch is fetched (an
+    augmentation in this process, as a DataLoader with ``num_workers=0`` runs it): the random
+    state a forward begins with is the one after its batch was fetched."""
+
+    def __init__(self, data: list):
+        self.data = data
+
+    def __iter__(self):
+        for x, y, poison in self.data:
+            yield x + 0.01 * torch.randn_like(x), y, poison
+
+
+def ddp_recompute_starts_each_forward_from_its_own_random_state(rank, world):
+    """Data that draws from the RNG when fetched (``Augmented``), with dropout in the model: the
+    recompute of step 2 reproduces the step (each micro-batch's forward from the random state
+    it began with, not the step's start) and names rank 1."""
+    net = model()
+    data = Augmented(batches(rank, (2, 1) if rank == 1 else None))
+    trainer = Trainer(net, torch.optim.AdamW(net.parameters(), lr=1e-2), data, settings(max_steps=2),
+                      loss_fn=poisoned_loss)  # fmt: skip
+    rows = trainer.fit()
+    bad = rows[1]
+    assert bad["nonfinite_grads"] == [POISONED] and bad["nonfinite_ranks"] == {POISONED: [1]}, bad
+    assert "nonfinite_note" not in bad, bad
+
+
 def ddp_inf_on_both_ranks_names_both_and_leaves_no_trace(rank, world):
     """Both ranks poison the same parameter on step 1 (where DDP then rebuilds its buckets, in
     the recompute's forward): ``[0, 1]``, and the message names them. Three steps with the

@@ -15,8 +15,10 @@ import re
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import train_dist_scenarios
 from torch import nn
 from torch.distributed.tensor import DTensor
+from train_dist_scenarios import my_share
 
 from gradfuse.train import TrainConfig, Trainer, lr_factor
 
@@ -41,13 +43,7 @@ def model() -> nn.Module:
 
 
 def combined_batches(n: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(5)
-    return [(torch.randn(size, 6, generator=gen), torch.randn(size, 3, generator=gen)) for _ in range(n)]
-
-
-def my_share(batches, rank: int, world: int):
-    size = len(batches[0][0]) // world
-    return [(x[rank * size : (rank + 1) * size], y[rank * size : (rank + 1) * size]) for x, y in batches]
+    return train_dist_scenarios.combined_batches(n, size, outputs=3)
 
 
 def mse(model, batch):

@@ -340,6 +340,22 @@ def a_signal_on_one_rank_saves_a_sharded_checkpoint_on_every_rank(rank, world):
     assert resumed.step == 2 and [row["step"] for row in resumed.fit()] == [3, 4]
 
 
+def ranks_resuming_from_a_folder_and_a_file_all_raise(rank, world):
+    """Rank 0 resumes from a sharded folder, rank 1 from a single file: every rank raises
+    ``CheckpointError`` naming both (rank 1 refusing alone left rank 0 waiting in the load)."""
+    folder = shared_folder("folder-and-file")
+    fsdp_trainer(folder, rank, world, max_steps=2).fit()  # saves step-00000002/ at its end
+    single_file = checkpoint.checkpoint_path(shared_folder("folder-and-file-single"), 2)
+    if rank == 1:
+        checkpoint.save_checkpoint(single_file.parent, 2, {"config": {}}, keep_last=1)
+    try:
+        fsdp_trainer(None, rank, world, resume=folder / "step-00000002" if rank == 0 else single_file, save_every=None)
+        raise AssertionError("the ranks resumed from different checkpoints")
+    except checkpoint.CheckpointError as err:
+        assert "single-file checkpoint" in str(err) and str(single_file) in str(err), err
+        assert f"rank 0: {(folder / 'step-00000002').resolve()}" in str(err), err
+
+
 def fsdp_trainer_saved_for_one_rank(rank, world):
     """Saves a 2-rank Trainer checkpoint (step 2) and its full tensors, for the pytest process to
     resume alone (``test_fsdp_trainer_two_ranks_to_one``)."""

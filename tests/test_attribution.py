@@ -20,6 +20,7 @@ SCENARIOS = [
     "ddp_inf_on_both_ranks_names_both_and_leaves_no_trace",
     "ddp_overflow_in_the_reduction_is_said_so",
     "ddp_recompute_that_does_not_reproduce_names_no_rank",
+    "ddp_recompute_starts_each_forward_from_its_own_random_state",
     "fsdp2_shards_report_the_ranks_that_hold_them",
 ]
 

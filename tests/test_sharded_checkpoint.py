@@ -36,6 +36,7 @@ SCENARIOS = [
     "a_signal_on_one_rank_saves_a_sharded_checkpoint_on_every_rank",
     "fsdp_trainer_saved_for_one_rank",
     "fsdp_trainer_resumes_a_one_rank_checkpoint",
+    "ranks_resuming_from_a_folder_and_a_file_all_raise",
 ]
 
 

@@ -27,9 +27,11 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
 
 
-def combined_batches(n: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def combined_batches(n: int, size: int, outputs: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` batches of ``size`` rows of the whole world (``my_share`` cuts this rank's rows);
+    ``outputs`` targets per row. Shared with ``fsdp_scenarios.py``."""
     gen = torch.Generator().manual_seed(5)
-    return [(torch.randn(size, 6, generator=gen), torch.randn(size, 2, generator=gen)) for _ in range(n)]
+    return [(torch.randn(size, 6, generator=gen), torch.randn(size, outputs, generator=gen)) for _ in range(n)]
 
 
 def my_share(batches, rank: int, world: int):

@@ -1,10 +1,11 @@
 """Non-finite attribution: on a step whose gradients hold inf or NaN, which parameters, and on
 which ranks.
 
-Nothing here runs on a finite step beyond two host-side records (the states of torch's random
-generators at the step's start, and references to the step's micro-batches, only where a
-recompute may be needed); everything else runs only on a flagged step, which every rank knows
-alike (the overflow flag is taken after the reduction).
+Nothing here runs on a finite step beyond host-side records, only where a recompute may be
+needed: references to the step's micro-batches, each with the states of torch's random
+generators as its forward began (after the batch was fetched: a DataLoader starting an epoch,
+or data that augments in this process, draws from them too); everything else runs only on a
+flagged step, which every rank knows alike (the overflow flag is taken after the reduction).
 
 Where the gradients come from decides how the ranks are found:
 
@@ -17,10 +18,11 @@ Where the gradients come from decides how the ranks are found:
 - **Data parallel** (DDP): the all-reduce has mixed the ranks, and the local gradients are gone.
   The step's micro-batches are run again on each rank alone (``no_sync``, and DDP's buffer
   broadcast off: no communication, except DDP's one-time bucket rebuild when the flagged step is
-  the first, which every rank runs alike), from the step's starting random state and with the step's loss scale (the
-  scaler has not updated yet); the local non-finite counts are all-gathered with a flag saying
-  whether the recompute reproduced the step's loss, bit for bit. The module buffers, the random
-  state and DDP's buffer-sync flag are put back afterwards and the gradients cleared.
+  the first, which every rank runs alike), each from the random state its forward began with,
+  and with the step's loss scale (the scaler has not updated yet); the local non-finite counts
+  are all-gathered with a flag saying whether the recompute reproduced the step's loss, bit for
+  bit. The module buffers, the random state and DDP's buffer-sync flag are put back afterwards
+  and the gradients cleared.
 
 The row gains ``nonfinite_grads`` (the parameters whose step gradient held inf/NaN),
 ``nonfinite_ranks`` (``{name: [ranks]}``, or None when the ranks could not be found) and, when
@@ -43,22 +45,15 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..distributed import is_dtensor
 from ..ops import multi_tensor_stats
 
 Tensor = torch.Tensor
 NamedGrads = Iterable[tuple[str, Tensor | None]]
 
 
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without DTensor
-        return False
-    return isinstance(t, DTensor)
-
-
 def _local(grad: Tensor | None) -> Tensor | None:
-    return grad.to_local() if _is_dtensor(grad) else grad
+    return grad.to_local() if is_dtensor(grad) else grad
 
 
 def nonfinite_counts(grads: Sequence[Tensor | None]) -> Tensor:
@@ -167,39 +162,46 @@ class NonfiniteAttribution:
         self.world_size = world_size
         # Several ranks and plain (replicated, reduced) parameters: DDP, whose gradients must be
         # recomputed to tell the ranks apart; DTensor parameters are sharded, their shards tell.
-        self.recompute = world_size > 1 and not any(_is_dtensor(p) for p in model.parameters())
+        self.recompute = world_size > 1 and not any(is_dtensor(p) for p in model.parameters())
         self.named = [(n, p) for n, p in model.named_parameters()]
-        self._batches: list = []
-        self._rng: tuple[Tensor, Tensor | None] | None = None
+        # (micro-batch, the random states its forward began with), for a recompute of this step.
+        self._kept: list[tuple[object, tuple[Tensor, Tensor | None]]] = []
         self.step_loss: Tensor | None = None  # this rank's summed micro-losses, as backpropagated
 
     # --- what a finite step records (host only) -----------------------------------------------
 
     def start_step(self) -> None:
-        self._batches = []
-        self.step_loss = None
-        self._rng = _rng_states(self.device) if self.recompute else None
+        self._kept, self.step_loss = [], None
 
     def keep(self, batch) -> None:
-        """A micro-batch of this step, as the data gave it (before it was moved to the device)."""
+        """A micro-batch of this step, as the data gave it (before it was moved to the device),
+        called after it was fetched and before its forward: the random states are taken here."""
         if self.recompute:
-            self._batches.append(batch)
+            self._kept.append((batch, _rng_states(self.device)))
 
     def end_step(self) -> None:
-        self._batches, self._rng, self.step_loss = [], None, None
+        self._kept, self.step_loss = [], None
+
+    def _replay(self):
+        """The kept micro-batches, each yielded once the random states are those its forward
+        began with (the rerun fetches the next batch right before its forward)."""
+        for batch, states in self._kept:
+            _set_rng_states(states, self.device)
+            yield batch
 
     # --- a flagged step ----------------------------------------------------------------------------
 
-    def report(self, step: int, rerun: Callable[[list], Tensor] | None = None, module=None) -> dict:
+    def report(self, step: int, rerun: Callable[[Iterable], Tensor] | None = None, module=None) -> dict:
         """The row's ``nonfinite_*`` fields for ``step``. ``rerun(batches)`` runs the micro-steps
-        on this rank alone and returns its summed loss (the Trainer's; needed when
+        on this rank alone, each right after taking its batch from the iterable ``batches``
+        (which sets the random states), and returns its summed loss (the Trainer's; needed when
         ``self.recompute``); ``module`` is what forward calls go through (DDP's wrapper). Every
         rank calls it on the same step. Under a recompute the gradients are cleared (set to
         None) afterwards: the step's reduced ones are gone by then."""
         names = [n for n, _ in self.named]
         step_counts = nonfinite_counts([p.grad for _, p in self.named])
         if not self.recompute:  # one process, or DTensor shards: the gradients at hand tell
-            sharded = any(_is_dtensor(p.grad) for _, p in self.named)
+            sharded = any(is_dtensor(p.grad) for _, p in self.named)
             group, world = (self.group, self.world_size) if sharded else (None, 1)
             per_rank = _gather(step_counts, group).tolist() if world > 1 else [step_counts.tolist()]
             ranks = _ranks_by_name(names, per_rank)
@@ -257,13 +259,12 @@ class NonfiniteAttribution:
         error = None
         reproduced = False
         try:
-            if self._rng is None or self.step_loss is None:
+            if not self._kept or self.step_loss is None:
                 raise RuntimeError("the step's micro-batches were not recorded")
-            _set_rng_states(self._rng, self.device)
             self._clear_grads()
             if sync is not None:  # no buffer broadcast in the recompute: it stays local
                 module.require_forward_param_sync = False
-            loss = rerun(self._batches)
+            loss = rerun(self._replay())
             counts = nonfinite_counts([p.grad for _, p in self.named]).to(self.device)
             reproduced = bool(torch.equal(loss, self.step_loss))
         except Exception as err:  # reported in the row, on every rank

@@ -106,12 +106,6 @@ def broadcast_from_first(model: torch.nn.Module, group) -> None:
         dist.broadcast(tensor.detach(), source, group=group)
 
 
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: a DTensor's local tensor, a plain tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
-
-
 class FSDPGradients:
     """Gradients reduce-scattered across ``group`` by FSDP2: each rank holds, as DTensors, the
     shard of every gradient that matches its shard of the parameters. The same interface as

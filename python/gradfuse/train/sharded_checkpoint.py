@@ -139,15 +139,7 @@ def load_model_and_optimizer(folder: str | os.PathLike, model: torch.nn.Module, 
     this rank), then ``set_state_dict`` puts them in place. Every rank of ``group`` calls it
     (``None``: this process alone). The folder should have been checked first
     (``checkpoint.load_checkpoint``)."""
-    if group is not None:  # each rank picked its folder itself (resume="latest"): the same one?
-        folders: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(folders, os.fspath(Path(folder).resolve()), group=group)
-        if len(set(folders)) > 1:
-            raise checkpoint.CheckpointError(
-                "the ranks would load different checkpoints: "
-                + ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(folders))
-                + "; every rank must see the same checkpoint folder (a shared file system)"
-            )
+    agree_on_checkpoint(folder, group, folders_only="loading through torch.distributed.checkpoint")
     dcp, get_state_dict, set_state_dict = _dcp()
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
@@ -156,6 +148,33 @@ def load_model_and_optimizer(folder: str | os.PathLike, model: torch.nn.Module, 
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if not checkpoint.load_checkpoint(Path(folder) / checkpoint.TRAINER_FILE).get("optimizer_stepped", True):
         optimizer.state.clear()  # saved before the optimizer had a state (see ``save``)
+
+
+def agree_on_checkpoint(path: str | os.PathLike, group, *, folders_only: str | None = None) -> None:
+    """Check, on every rank of ``group`` together (``None``: this process alone), that the ranks
+    resume alike: one sharded checkpoint folder on every rank, or single files on every rank
+    (``folders_only``: folders only, and what needs them, for the message). Otherwise every rank
+    raises ``CheckpointError`` naming each rank's checkpoint: a rank that refused alone would
+    leave the others waiting in the collectives of a sharded load. Each rank picks its
+    checkpoint itself (``resume="latest"``)."""
+    mine = (os.fspath(Path(path).resolve()), Path(path).is_dir())
+    chosen: list = [mine]
+    if group is not None:
+        chosen = [None] * dist.get_world_size(group)
+        dist.all_gather_object(chosen, mine, group=group)
+    named = ", ".join(f"rank {rank}: {name}" for rank, (name, _) in enumerate(chosen))
+    files = [name for name, is_folder in chosen if not is_folder]
+    if folders_only and files:
+        raise checkpoint.CheckpointError(
+            f"{', '.join(dict.fromkeys(files))} is a single-file checkpoint (whole tensors); {folders_only} needs a "
+            f"sharded checkpoint folder (step-XXXXXXXX/) ({named})"
+        )
+    folders = {name for name, is_folder in chosen if is_folder}
+    if len(folders) > 1 or (folders and files):
+        raise checkpoint.CheckpointError(
+            f"the ranks would load different checkpoints: {named}; every rank must see the same checkpoint folder "
+            "(a shared file system)"
+        )
 
 
 def load(folder: str | os.PathLike, model: torch.nn.Module, optimizer, *, group=None) -> dict:

@@ -320,10 +320,11 @@ class Trainer:
             loss = loss / self.config.grad_accum_steps
         return loss, count
 
-    def _rerun_locally(self, batches: list) -> torch.Tensor:
+    def _rerun_locally(self, batches: Iterable) -> torch.Tensor:
         """The step's micro-batches again on this rank alone (``no_sync``: no gradient
         communication), for the attribution of an overflow step; returns their summed loss, as
-        ``_forward_backward`` adds it up."""
+        ``_forward_backward`` adds it up. Each batch is taken from ``batches`` right before its
+        forward (the attribution's iterable sets the random states as it yields it)."""
         loss = torch.zeros((), device=self.device)
         with self.grads.no_sync():
             for batch in batches:
@@ -584,21 +585,20 @@ class Trainer:
         """Load ``state``; the settings given now win where they differ from the saved ones
         (module ``resume``), and what changed is logged once."""
         cfg = self.config
+        group = getattr(self.world, "group", None)
+        # Before anything is loaded: a rank that refused alone would leave the others waiting.
+        folders_only = "a model sharded by FSDP2" if getattr(self.grads, "sharded", False) else None
+        sharded_checkpoint.agree_on_checkpoint(path, group, folders_only=folders_only)
         changed = resuming.config_changes(state.get("config", {}), cfg.to_dict())
         if path.is_dir():  # sharded (sharded_checkpoint.py): through DCP, on any world size
-            group, world = getattr(self.world, "group", None), self.world
+            world = self.world
             load = functools.partial(sharded_checkpoint.load_model_and_optimizer, path, self.model, group=group)
             changed += resuming.keep_optimizer_settings(self.optimizer, load)
             own = sharded_checkpoint.rank_part(
                 state["ranks"], world.rank, world.world_size, announce=world.is_main, where=f" from {path}"
             )
             state = {**state, **own}
-        else:
-            if getattr(self.grads, "sharded", False):
-                raise checkpoint.CheckpointError(
-                    f"{path} is a single-file checkpoint (whole tensors); a model sharded by FSDP2 resumes from a "
-                    "sharded checkpoint folder (step-XXXXXXXX/)"
-                )
+        else:  # a model sharded by FSDP2 was refused a single file above
             self.model.load_state_dict(resuming.module_state(state["model"], self.model))
             changed += resuming.load_optimizer(self.optimizer, state["optimizer"])
         changed += resuming.load_schedule(self.scheduler, state["scheduler"], self.optimizer, self._base_lrs)
