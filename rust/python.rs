@@ -257,7 +257,7 @@ fn stats(
     // for the total, one element per tensor for the others (the counts int64, checked aligned
     // and non-null above), which nothing else touches during the call.
     unsafe {
-        write_out(total_addr, dtype, &[dtype.round(r.total)])?;
+        write_out(total_addr, dtype, &[r.total])?;
         write_out(norms_addr, dtype, &r.norms)?;
         write_out(amax_addr, dtype, &r.amax)?;
         if !r.nonfinite.is_empty() {
@@ -282,7 +282,6 @@ fn unit_norms(
     let tl = tensors.get();
     let dtype = out_dtype(out_code)?;
     let norms = py.detach(|| unitwise::unit_norms(&tl.slices(), &units, norm_type)).map_err(|e| tl.err(e))?;
-    let norms: Vec<f64> = norms.iter().map(|&v| dtype.round(v)).collect();
     // SAFETY: `out_addr` is the data of a tensor `gradfuse._cpu` allocates for this call, with
     // one element of `out_code` per unit.
     unsafe { write_out(out_addr, dtype, &norms) }

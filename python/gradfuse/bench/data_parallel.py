@@ -81,6 +81,22 @@ def _worker(rank, init_file, out_file, quick, reps, budget_s, device_type, measu
     dist.destroy_process_group()
 
 
+def warm_up(run, impls, reps: int | None, budget_s: float) -> int:
+    """Three untimed rounds of ``run(name, step)`` (steps 1 to 3) over ``impls``; the timed
+    steps' count: ``reps``, or if None sized on rank 0's round time to ``budget_s`` and
+    broadcast, so that every rank runs the same number of steps (each one a collective)."""
+    start = time.perf_counter()
+    for i in range(3):
+        for name in impls:
+            run(name, i + 1)
+    if reps is None:
+        per_round = (time.perf_counter() - start) / 3
+        count = torch.tensor([max(10, min(200, int(budget_s / per_round)))])
+        dist.broadcast(count, src=0)
+        reps = int(count.item())
+    return reps
+
+
 def _measure(rank: int, quick: bool, reps: int | None, budget_s: float, device: torch.device) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -150,16 +166,7 @@ def _measure(rank: int, quick: bool, reps: int | None, budget_s: float, device: 
     for i, (a, b) in enumerate(zip(models["gradfuse"].parameters(), models["torch"].parameters(), strict=True)):
         if not torch.allclose(a, b, rtol=1e-5, atol=1e-7):
             raise BenchError(f"gradfuse: weight {i} after the step differs from torch's by {(a - b).abs().max():.3g}")
-    # Warm-up, sizing the timed part on rank 0's round time (the same count on both ranks).
-    start = time.perf_counter()
-    for i in range(3):
-        for name in IMPLS:
-            run(name, i + 1)
-    if reps is None:
-        per_round = (time.perf_counter() - start) / 3
-        count = torch.tensor([max(10, min(200, int(budget_s / per_round)))])
-        dist.broadcast(count, src=0)
-        reps = int(count.item())
+    reps = warm_up(run, IMPLS, reps, budget_s)
     times: dict[str, list[float]] = {n: [] for name in IMPLS for n in (name, *(f"{name}:{p}" for p in PARTS))}
     for i in range(reps):
         for name in IMPLS if i % 2 == 0 else reversed(IMPLS):

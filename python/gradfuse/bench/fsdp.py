@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .data_parallel import WORLD, _batch, run_ranks
+from .data_parallel import WORLD, _batch, run_ranks, warm_up
 from .measure import BenchError, Device
 from .models import make_model
 from .results import ImplResult, WorkloadResult
@@ -166,16 +166,7 @@ def _measure(rank: int, quick: bool, reps: int | None, budget_s: float, device: 
         for i, (a, b) in enumerate(zip(_full(params), reference, strict=True)):
             if not torch.allclose(a, b, rtol=1e-5, atol=1e-7):
                 raise BenchError(f"{name}: weight {i} after the step differs from torch's by {(a - b).abs().max():.3g}")
-    # Warm-up, sizing the timed part on rank 0's round time (the same count on both ranks).
-    start = time.perf_counter()
-    for i in range(3):
-        for name in IMPLS:
-            run(name, i + 1)
-    if reps is None:
-        per_round = (time.perf_counter() - start) / 3
-        count = torch.tensor([max(10, min(200, int(budget_s / per_round)))])
-        dist.broadcast(count, src=0)
-        reps = int(count.item())
+    reps = warm_up(run, IMPLS, reps, budget_s)
     times: dict[str, list[float]] = {name: [] for name in IMPLS}
     times.update({f"{name}:{part}": [] for name in ("torch", "gradfuse") for part in PARTS})
     for i in range(reps):

@@ -24,6 +24,7 @@ import gradfuse
 
 from .cases import GRADFUSE_NORM_RTOL, RTOL_VS_TORCH, Family, assert_lists_close, parameters_for, pristine
 from .measure import BenchError
+from .training import ACCUM_STEPS, LR, MAX_NORM, TrainerFamily, _gradfuse_trainer_step
 
 
 def _torch_stats(grads):
@@ -242,37 +243,21 @@ HEALTH_FAMILIES = {"stats": StatsFamily, "zclip": ZClipFamily, "agc": AGCFamily}
 # --- the Trainer with every gradient-health feature -----------------------------------------
 
 
-def _plain_trainer_step(trainer):
-    return trainer.train_step()["loss"]
-
-
-def _health_trainer_step(trainer):
-    return trainer.train_step()["loss"]
-
-
-class TrainerHealthFamily(Family):
+class TrainerHealthFamily(TrainerFamily):
     """``health``: one ``gradfuse.Trainer`` step with ``log_grad_norms`` (log_every=10),
     ``skip_spikes`` and ``clip="zclip"`` (``gradfuse``) against the plain Trainer step with the
     fixed clip (in the ``torch`` slot, which the engine's speedup divides by: the issue's bar is
     a ratio of at most 1.03, i.e. a speedup of at least 0.97). Same model and data as the
-    ``trainer`` workload."""
-
-    def __init__(self, workload, device, quick):
-        from .training import TrainerFamily
-
-        self._base = TrainerFamily(workload, device, quick)
-        super().__init__(workload, device, quick)
-        self.rotate_sets = False
+    ``trainer`` workload (its family's, as are the sizes and the finite-loss check)."""
 
     def impls(self):
-        return {"torch": _plain_trainer_step, "gradfuse": _health_trainer_step}
+        return {"torch": _gradfuse_trainer_step, "gradfuse": _gradfuse_trainer_step}
 
     def new_set_for(self, impl: str):
         from ..demo import GPT
-        from .training import ACCUM_STEPS, LR, MAX_NORM
 
         torch.manual_seed(0)
-        model = GPT(self._base.gpt).to(self.device)
+        model = GPT(self.gpt).to(self.device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
         common = {"max_steps": 10**6, "grad_accum_steps": ACCUM_STEPS, "lr": LR, "lr_schedule": "cosine"}
         common.update(min_lr_ratio=0.1, progress=False, log_every=10)
@@ -283,22 +268,7 @@ class TrainerHealthFamily(Family):
                 max_grad_norm=None, clip="zclip", clip_options={"max_grad_norm": MAX_NORM},
                 skip_spikes=(128, 6.0, 64), log_grad_norms=2, **common,
             )  # fmt: skip
-        return gradfuse.Trainer(model, optimizer, self._base.batches, config)
-
-    @property
-    def set_bytes(self):
-        return self.numel * 4
-
-    @property
-    def bytes_moved(self):
-        return self.numel * 4  # the gradients' bytes: a step's cost is not a count of bytes
-
-    def bind(self, fn, trainer, k):
-        return lambda: fn(trainer)
-
-    def verify(self, out, trainer, k):
-        if not math.isfinite(float(out)):
-            raise BenchError(f"a non-finite loss ({float(out)}): the step did not train")
+        return gradfuse.Trainer(model, optimizer, self.batches, config)
 
     def compare(self, outs, buffers):
         if not math.isclose(outs["gradfuse"], outs["torch"], rel_tol=1e-6):  # same weights, same batch
