@@ -392,7 +392,7 @@ _register(
 
 # --- unit_norms, scale_units_ (adaptive gradient clipping) --------------------------------
 
-_UNORM = "gradfuse.unit_norms"
+_UNITS = "gradfuse.unit_norms"
 _USCALE = "gradfuse.scale_units_"
 
 
@@ -405,24 +405,24 @@ def _check_units(op: str, tensors: list[Tensor], units: list[int]) -> None:
             raise ValueError(f"{op}: tensors[{i}] has {n} elements, which cannot be split into units={u} equal units")
 
 
-def _unorm_impl(tensors: list[Tensor], units: list[int], norm_type: float):
-    norm_type = P.check_norm_type(_UNORM, norm_type)
-    _check_units(_UNORM, tensors, units)
+def _units_impl(tensors: list[Tensor], units: list[int], norm_type: float):
+    norm_type = P.check_norm_type(_UNITS, norm_type)
+    _check_units(_UNITS, tensors, units)
     # Units are rows in logical (row-major) order: a dense but permuted tensor is copied.
-    plan = P.make_plan(_UNORM, "tensors", tensors, inplace=False, dense_ok=False)
+    plan = P.make_plan(_UNITS, "tensors", tensors, inplace=False, dense_ok=False)
     # A unit of an empty tensor is empty: no identity for these orders (torch refuses them too).
-    P.check_empty_norm(_UNORM, "tensors", norm_type, [n if u else 1 for n, u in zip(plan.numels, units, strict=True)])
+    P.check_empty_norm(_UNITS, "tensors", norm_type, [n if u else 1 for n, u in zip(plan.numels, units, strict=True)])
     return _backend(plan.device).unit_norms(plan, list(units), norm_type)
 
 
-def _unorm_fake(tensors, units, norm_type):
-    P.check_norm_type(_UNORM, norm_type)
-    _check_units(_UNORM, tensors, units)
-    device = _fake_device(_UNORM, "tensors", tensors)
+def _units_fake(tensors, units, norm_type):
+    P.check_norm_type(_UNITS, norm_type)
+    _check_units(_UNITS, tensors, units)
+    device = _fake_device(_UNITS, "tensors", tensors)
     return torch.empty(sum(units), dtype=_out_dtype(tensors), device=device)
 
 
-_register("unit_norms(Tensor[] tensors, int[] units, float norm_type) -> Tensor", _unorm_impl, _unorm_fake)
+_register("unit_norms(Tensor[] tensors, int[] units, float norm_type) -> Tensor", _units_impl, _units_fake)
 
 
 def _check_factors(factors: Tensor, units: list[int], device) -> None:
