@@ -69,6 +69,39 @@ impl TensorList {
         self.tensors.len()
     }
 
+    /// Raises OverlapError when a tensor of `reads` overlaps one of these (a writable list) other
+    /// than the one at its own index that it is identical to (`dst[i] += src[i]` reads each
+    /// element before writing it); the check `accumulate_` makes, for callers that keep lists.
+    fn check_reads(&self, reads: &TensorList) -> PyResult<()> {
+        if !self.writable {
+            return Err(PyValueError::new_err(format!("{} was not made writable", self.name)));
+        }
+        let same: Vec<bool> = self.tensors.iter().zip(&reads.tensors).map(|(a, b)| a == b).collect();
+        self.check_disjoint(Some((reads, &same))).map_err(|e| to_py(e, &self.name, &reads.name))
+    }
+
+    /// The same list (sizes, dtypes, writability) at the addresses `addrs`, checked as a new list
+    /// is (alignment, and disjointness when writable); None when the new addresses fail a check
+    /// or change whether some tensor is 16-byte aligned (the GPU kernels group tensors by it).
+    fn moved(&self, addrs: Vec<usize>) -> Option<TensorList> {
+        if addrs.len() != self.tensors.len() {
+            return None;
+        }
+        let mut tensors = Vec::with_capacity(addrs.len());
+        for (i, (&addr, t)) in addrs.iter().zip(&self.tensors).enumerate() {
+            let moved = RawTensor { addr, ..*t };
+            if (addr % 16 == 0) != (t.addr % 16 == 0) || moved.validate(i).is_err() {
+                return None;
+            }
+            tensors.push(moved);
+        }
+        let list = TensorList { name: self.name.clone(), tensors, writable: self.writable };
+        if list.writable && list.check_disjoint(None).is_err() {
+            return None;
+        }
+        Some(list)
+    }
+
     fn __repr__(&self) -> String {
         let numel: usize = self.tensors.iter().map(|t| t.numel).sum();
         format!("TensorList({}, {} tensors, {} elements)", self.name, self.tensors.len(), numel)
@@ -369,18 +402,6 @@ fn accumulate_(py: Python<'_>, dst: &Bound<'_, TensorList>, src: &Bound<'_, Tens
     py.detach(|| elementwise::accumulate(views, &sources, alpha)).map_err(named)
 }
 
-/// Indices `(i, j)` of two byte ranges `[starts[k], ends[k])` that overlap while at least one
-/// is written, or `None`.
-#[pyfunction]
-fn find_overlap(starts: Vec<usize>, ends: Vec<usize>, written: Vec<bool>) -> PyResult<Option<(usize, usize)>> {
-    if starts.len() != ends.len() || starts.len() != written.len() {
-        return Err(PyValueError::new_err("find_overlap: starts, ends and written differ in length"));
-    }
-    let ranges: Vec<(usize, usize, bool)> =
-        starts.iter().zip(&ends).zip(&written).map(|((&s, &e), &w)| (s, e, w)).collect();
-    Ok(find_conflict(&ranges))
-}
-
 /// The bucket layout of parameters with these element counts and dtype codes, placed in
 /// `order` (see `bucket::plan`). Returns `(slots, buckets)`: `slots[i] = (bucket, offset)` of
 /// parameter `i` (offset in elements) and `buckets[b] = (dtype code, numel, parameters)`.
@@ -471,7 +492,6 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(unscale_and_check_, m)?)?;
     m.add_function(wrap_pyfunction!(clamp_, m)?)?;
     m.add_function(wrap_pyfunction!(accumulate_, m)?)?;
-    m.add_function(wrap_pyfunction!(find_overlap, m)?)?;
     m.add_function(wrap_pyfunction!(plan_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(find_strided_overlap, m)?)?;
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;

@@ -31,6 +31,7 @@ import torch.nn.utils.clip_grad
 
 from . import _plan as P
 from . import distributed as D
+from . import ops
 from .buckets import owner_of
 from .ddp_hook import state_for
 from .ops import check_max_norm
@@ -151,7 +152,7 @@ def _combine_totals(totals: list[Tensor], norm_type: float) -> Tensor:
 
 
 def _total_norm(groups: dict[torch.device, list[Tensor]], norm_type: float, error_if_nonfinite: bool) -> Tensor:
-    totals = [torch.ops.gradfuse.multi_tensor_norm(group, norm_type, False)[0] for group in groups.values()]
+    totals = [ops.multi_tensor_norm_op(group, norm_type, False)[0] for group in groups.values()]
     total = _combine_totals(totals, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise P.nonfinite_total_error(norm_type)
@@ -178,7 +179,7 @@ def _local_norm(shards: list[Tensor], norm_type: float, device: torch.device) ->
 
 def _nonzero_counts(groups: dict[torch.device, list[Tensor]]) -> Tensor:
     first = next(iter(groups))
-    return torch.cat([torch.ops.gradfuse.multi_tensor_norm(g, 0.0, True)[1].to(first) for g in groups.values()])
+    return torch.cat([ops.multi_tensor_norm_op(g, 0.0, True)[1].to(first) for g in groups.values()])
 
 
 def _dtensor_total(tensors: list[Tensor], norm_type: float) -> Tensor | None:
@@ -300,7 +301,7 @@ def _scale_grads(parameters: list[Tensor], grads: list[Tensor], max_norm: float,
         _check_all(groups)
         _check_writable_all(groups)
         for device, group in groups.items():
-            torch.ops.gradfuse.clip_grads_with_norm_(group, max_norm, total.to(device, non_blocking=True))
+            ops.clip_grads_with_norm_op(group, max_norm, total.to(device, non_blocking=True))
 
     if total is None or _run_fused(targets, run) is _TO_TORCH:
         _TORCH["clip_grads_with_norm_"](parameters, max_norm, total_norm, foreach)
@@ -361,18 +362,18 @@ def clip_grad_norm_(
             total = hook.total_norm().clone()  # the caller's own, as torch's is
             if error_if_nonfinite and not torch.isfinite(total):
                 raise P.nonfinite_total_error(norm_type)
-            torch.ops.gradfuse.clip_grads_with_norm_(hook.buffers, max_norm, total)
+            ops.clip_grads_with_norm_op(hook.buffers, max_norm, total)
             return total
         if not _is_dtensor(grads):
 
             def run(groups):
                 if len(groups) == 1:
-                    return torch.ops.gradfuse.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
+                    return ops.clip_grad_norm_op(grads, max_norm, norm_type, error_if_nonfinite)
                 _check_all(groups)
                 total = _total_norm(groups, norm_type, error_if_nonfinite)
                 _check_writable_all(groups)
                 for device, group in groups.items():
-                    torch.ops.gradfuse.clip_grads_with_norm_(group, max_norm, total.to(device, non_blocking=True))
+                    ops.clip_grads_with_norm_op(group, max_norm, total.to(device, non_blocking=True))
                 return total
 
             total = _run_fused(grads, run)
@@ -416,7 +417,7 @@ def clip_grad_value_(parameters: _TensorOrTensors, clip_value: float, foreach: b
         _check_all(groups)
         _check_writable_all(groups)
         for group in groups.values():
-            torch.ops.gradfuse.clamp_(group, -clip_value, clip_value)
+            ops.clamp_op(group, -clip_value, clip_value)
 
     if _run_fused(grads, run) is _TO_TORCH:
         _TORCH["clip_grad_value_"](parameters, clip_value, foreach)
