@@ -230,6 +230,24 @@ def test_a_checkpoint_that_does_not_fit_raises_checkpoint_error_in_one_process(t
     assert all(torch.equal(after[k], before[k]) for k in before if k.startswith("optimizer."))
 
 
+def test_optimizer_state_the_optimizer_has_no_place_for_is_refused(tmp_path):
+    """State saved for a parameter the optimizer now lacks, or that is now frozen (torch's
+    set_state_dict drops a frozen parameter's state): a CheckpointError naming it, not a
+    resume that silently starts that parameter's moments over; the optimizer left as it was."""
+    net = scenarios.model(shard=False)
+    path = sharded_checkpoint.save(tmp_path, 1, net, scenarios.train(net, 2, seed=0))
+    for problem in ("not a parameter of this optimizer", "now frozen"):
+        target = scenarios.model(shard=False)
+        if problem == "now frozen":
+            target[0].weight.requires_grad_(False)
+            opt = scenarios.fresh_optimizer(target)
+        else:
+            opt = torch.optim.AdamW([p for name, p in target.named_parameters() if name != "0.weight"], lr=1e-2)
+        with pytest.raises(CheckpointError, match=rf"{path} holds optimizer state .*\(0\.weight: {problem}"):
+            sharded_checkpoint.load(path, target, opt)
+        assert not opt.state
+
+
 def test_one_process_fsdp_trainer_keeps_its_best_as_a_folder(tmp_path):
     """parallel="fsdp" in one process: checkpoints are folders (DCP without a process group),
     keep_best writes ``best/`` beside them, and a resume from it continues at its step."""
