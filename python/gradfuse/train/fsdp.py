@@ -57,8 +57,8 @@ def fsdp_units(model: torch.nn.Module, entries: Sequence[str | Sequence[str]]) -
     """The units to shard one by one (``TrainConfig.fsdp_units``), innermost first (FSDP2 shards
     a module's descendants before the module); the root is left out (it is sharded last, in any
     case). A name is a module class name or a module's qualified name. A name entry makes each
-    module it names a unit of its own; a list/tuple entry makes the modules its names name one
-    unit (a list of modules). Everything that can be wrong is raised (``ValueError``) before
+    module it matches a unit of its own; a list/tuple entry makes all the modules its names
+    match ONE unit (returned as a list of modules). Everything that can be wrong is raised (``ValueError``) before
     anything is sharded: a name that matches no module, a name that is a class name and another
     module's qualified name, a module in two units, a group holding a module and its
     descendant, units that each hold a module inside the other."""
@@ -163,8 +163,9 @@ def _innermost_first(
     modules: list[torch.nn.Module],
     units: list[list[torch.nn.Module]],
 ) -> list[int]:
-    """The indices of ``units`` in an order where a unit holding a module comes after every unit inside that
-    module (FSDP2 shards bottom-up); otherwise in reversed pre-order (the order of old)."""
+    """The indices of ``units`` in an order where a unit holding a module comes after every unit
+    inside that module (FSDP2 shards bottom-up), otherwise in reversed pre-order (as before
+    groups existed); units that each hold a module inside the other are refused."""
     position = {id(m): i for i, m in enumerate(reversed(modules))}
     ancestors: dict[int, set[int]] = {}  # id(module) -> ids of the modules above it, on every path
     for path, module in paths.items():
