@@ -476,3 +476,99 @@ def agc_refuses_shards_that_split_its_units(rank, world):
     else:
         raise AssertionError("no error for a Shard(1) matrix")
     assert all(torch.equal(p.grad.to_local(), b) for p, b in zip((rows, cols), before, strict=True))
+
+
+class Embed(nn.Module):
+    """An embedding of float inputs (``x @ weight``), its weight tied to ``TiedModel.head``'s."""
+
+    def __init__(self, vocab: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, width) * 0.3)
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+class TiedModel(nn.Module):
+    """An embedding and an output head sharing one weight (as a language model's), Blocks
+    between them, and a last projection to the 3 targets."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = Embed(6, 16)
+        self.blocks = nn.Sequential(Block(16), Block(16))
+        self.head = nn.Linear(16, 6, bias=False)
+        self.head.weight = self.embed.weight
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(self.head(self.blocks(self.embed(x))))
+
+
+def tied_model() -> nn.Module:
+    torch.manual_seed(0)
+    return TiedModel()
+
+
+GROUPED = ["Block", ("embed", "head")]  # the tied embedding and head: one FSDP2 unit
+
+
+def tied_weights_in_one_unit_match_ddp_and_one_process(rank, world):
+    """fsdp_units with a group (``fully_shard([embed, head])``): the tied weight stays one
+    parameter (one DTensor, registered under both names, stepped once by the optimizer), and
+    the losses, norms and weights equal the DDP Trainer's and one process's, as the untied
+    model's do."""
+    trainer, rows, weights = train("fsdp", "fp32", rank, world, make_model=tied_model, fsdp_units=GROUPED)
+    net = trainer.model
+    assert isinstance(net.embed.weight, DTensor) and net.head.weight is net.embed.weight
+    assert type(net.embed).__name__ == "FSDPEmbed" and type(net.head).__name__ == "FSDPLinear"
+    assert sum(len(g["params"]) for g in trainer.optimizer.param_groups) == len(list(net.parameters())) == 7
+    _, ddp_rows, ddp_weights = train("ddp", "fp32", rank, world, make_model=tied_model)
+    losses, norms, ref_weights = one_process(world, make_model=tied_model)
+    assert all(r["clip_coef"] < 1 for r in rows)
+    for other_losses, other_norms, other_weights in (
+        ([r["loss"] for r in ddp_rows], [r["grad_norm"] for r in ddp_rows], ddp_weights),
+        (losses, norms, ref_weights),
+    ):
+        torch.testing.assert_close([r["loss"] for r in rows], other_losses, rtol=1e-5, atol=0)
+        torch.testing.assert_close([r["grad_norm"] for r in rows], other_norms, rtol=1e-5, atol=0)
+        for a, b in zip(weights, other_weights, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def split_tied_weights_are_refused_before_anything_is_sharded(rank, world):
+    """Tied weights in two units (the embedding's and the head's), or in a unit and the root
+    (the head left to it): a ValueError at Trainer(...) naming both parameters and their units
+    and suggesting the group, with the model as it was (the same parameter objects, tie
+    included, the same module classes, nothing sharded) and the optimizer too; a Trainer with
+    the grouped units is then built on the same model and trains it as a fresh one would."""
+    net = tied_model()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+    params = list(net.named_parameters(remove_duplicate=False))
+    classes = [(name, type(m)) for name, m in net.named_modules()]
+    values = [p.detach().clone() for _, p in params]
+    held = [list(g["params"]) for g in opt.param_groups]
+    batches = my_share(combined_batches(STEPS * ACCUM, PER_RANK * world), rank, world)
+    cases = [
+        (["Block", "Embed"], r"head\.weight \(in the root"),
+        (["Block", "Embed", "head"], r"head\.weight \(in unit 'head' \(Linear\)\)"),
+    ]
+    for units, where in cases:
+        try:
+            Trainer(net, opt, batches, settings(fsdp_units=units), loss_fn=mse)
+        except ValueError as err:
+            message = str(err)
+            assert "embed.weight (in unit 'embed' (Embed)) is the same parameter as" in message, message
+            assert re.search(where, message) and "('embed', 'head')" in message, message
+        else:
+            raise AssertionError(f"no error for {units}")
+        assert [(n, id(p)) for n, p in net.named_parameters(remove_duplicate=False)] == [(n, id(p)) for n, p in params]
+        assert [(name, type(m)) for name, m in net.named_modules()] == classes and net.head.weight is net.embed.weight
+        assert all(torch.equal(p, v) for (_, p), v in zip(params, values, strict=True))
+        assert not any(isinstance(p, DTensor) for p in net.parameters()) and not opt.state
+        assert [list(g["params"]) for g in opt.param_groups] == held
+    trainer = Trainer(net, opt, batches, settings(fsdp_units=GROUPED), loss_fn=mse)
+    rows = trainer.fit()
+    _, fresh_rows, fresh_weights = train("fsdp", "fp32", rank, world, make_model=tied_model, fsdp_units=GROUPED)
+    assert [r["loss"] for r in rows] == [r["loss"] for r in fresh_rows]
+    assert all(torch.equal(a, b) for a, b in zip(full(net.parameters()), fresh_weights, strict=True))

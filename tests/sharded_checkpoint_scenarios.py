@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -77,6 +78,13 @@ def assert_same(got: dict, want: dict) -> None:
     assert got.keys() == want.keys(), (sorted(got), sorted(want))
     for key, value in want.items():
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def metadata_keys(folder: Path) -> set[str]:
+    """The keys DCP's metadata in ``folder`` lists (``optimizer.state.<parameter>.<key>``, ...)."""
+    import torch.distributed.checkpoint as dcp
+
+    return set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
 
 
 def fresh_optimizer(net: nn.Module) -> torch.optim.Optimizer:
@@ -212,6 +220,40 @@ def block_model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), Block(16), Block(16), nn.Linear(16, 3))  # 3 rows: sharded unevenly
 
 
+LATE_FROM = 2  # idle_model's late branch is taken from the step after this one (the step-2 save's next)
+
+
+class IdleParameters(nn.Module):
+    """``block_model``'s layers and two more trainable parameters: ``extra``, a head forward
+    never uses, and ``late``, a branch taken once the Trainer is past step ``LATE_FROM``
+    (``use_late``, set by ``fsdp_trainer``'s loss): at the step-2 checkpoint neither has
+    optimizer state, from step 3 on ``late`` has (the subset changes between save and resume)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = block_model()
+        self.late = nn.Linear(6, 3)
+        self.extra = nn.Linear(16, 3)
+        self.use_late = False
+
+    def forward(self, x):
+        y = self.layers(x)
+        return y + self.late(x) if self.use_late else y
+
+
+def idle_model() -> nn.Module:
+    net = IdleParameters()
+    torch.manual_seed(1)  # the same initial weights on every rank (block_model seeds its own)
+    for layer in (net.late, net.extra):
+        layer.reset_parameters()
+    return net
+
+
+def with_state(optimizer: torch.optim.Optimizer, net: nn.Module) -> list[str]:
+    """The names of the parameters ``optimizer`` holds state for."""
+    return sorted(name for name, p in net.named_parameters() if optimizer.state.get(p))
+
+
 def shuffled_data(rank: int, ranks: int) -> torch.utils.data.DataLoader:
     """This rank's share of 20 samples in a shuffled loader of batches of 2: on 2 ranks 5 batches
     an epoch, so epochs end inside steps 3 and 5 (the checkpoint of step 2 sits inside the
@@ -223,9 +265,16 @@ def shuffled_data(rank: int, ranks: int) -> torch.utils.data.DataLoader:
 
 
 def fsdp_trainer(
-    folder: Path | None, rank: int, world: int, crash_after=None, resume=None, eval_data=None, **overrides
+    folder: Path | None,
+    rank: int,
+    world: int,
+    crash_after=None,
+    resume=None,
+    eval_data=None,
+    make_model=block_model,
+    **overrides,
 ) -> Trainer:
-    net = block_model()
+    net = make_model()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
     settings = dict(
         max_steps=TRAIN_STEPS, grad_accum_steps=ACCUM, max_grad_norm=0.05, lr=1e-2, lr_schedule="cosine",
@@ -236,6 +285,8 @@ def fsdp_trainer(
     def loss_fn(model, batch):
         if trainer.step == crash_after:
             raise Crash
+        if isinstance(model, IdleParameters):
+            model.use_late = trainer.step >= LATE_FROM
         x, y = batch
         return torch.nn.functional.mse_loss(model(x), y)
 
@@ -272,7 +323,17 @@ def fsdp_trainer_with_zclip_and_spike_skipping_resumes_exactly(rank, world):
     _resumes_exactly(rank, world, "trainer-resume-health", **health)
 
 
-def _resumes_exactly(rank: int, world: int, name: str, **overrides) -> None:
+def fsdp_trainer_with_idle_parameters_resumes_exactly(rank, world):
+    """The same with a parameter that never gets a gradient and one that gets its first after
+    the checkpoint: the checkpoint holds optimizer state for the others only, the resume loads
+    exactly that (pytorch/pytorch#192202: DCP asked for every parameter's, and the load failed
+    with "Missing key in checkpoint state_dict: optimizer.state.extra.weight.step"), and the
+    resumed run is the straight one bit for bit, late's first optimizer step included."""
+    _resumes_exactly(rank, world, "trainer-resume-idle", make_model=idle_model)
+
+
+def _resumes_exactly(rank: int, world: int, name: str, make_model=block_model, **overrides) -> None:
+    overrides["make_model"] = make_model
     straight = fsdp_trainer(None, rank, world, save_every=None, **overrides)
     want_rows = results(straight.fit())
     want = full_state(straight.model, straight.optimizer)
@@ -309,6 +370,11 @@ def _resumes_exactly(rank: int, world: int, name: str, **overrides) -> None:
 
     resumed = fsdp_trainer(folder, rank, world, resume="latest", **overrides)
     assert resumed.step == 2 and resumed.resumed_from == folder / "step-00000002"
+    if make_model is idle_model:  # the subset that has state at the save, then at the end
+        with_layers = [n for n in with_state(resumed.optimizer, resumed.model) if n.startswith("layers.")]
+        assert with_state(resumed.optimizer, resumed.model) == with_layers == with_state(first.optimizer, first.model)
+        assert len(with_layers) == 8, with_layers
+        assert with_state(straight.optimizer, straight.model) == sorted([*with_layers, "late.bias", "late.weight"])
     got_rows = results(resumed.fit())
     assert got_rows == want_rows[2:], (got_rows, want_rows[2:])
     assert_same(full_state(resumed.model, resumed.optimizer), want)
@@ -359,8 +425,16 @@ def ranks_resuming_from_a_folder_and_a_file_all_raise(rank, world):
 def fsdp_trainer_saved_for_one_rank(rank, world):
     """Saves a 2-rank Trainer checkpoint (step 2) and its full tensors, for the pytest process to
     resume alone (``test_fsdp_trainer_two_ranks_to_one``)."""
-    folder = shared_folder("trainer-two-ranks")
-    trainer = fsdp_trainer(folder, rank, world, max_steps=2)
+    _saved_for_one_rank(shared_folder("trainer-two-ranks"), rank, world, block_model)
+
+
+def fsdp_trainer_with_idle_parameters_saved_for_one_rank(rank, world):
+    """The same with ``idle_model``: optimizer state for some parameters only."""
+    _saved_for_one_rank(shared_folder("trainer-two-ranks-idle"), rank, world, idle_model)
+
+
+def _saved_for_one_rank(folder: Path, rank: int, world: int, make_model) -> None:
+    trainer = fsdp_trainer(folder, rank, world, max_steps=2, make_model=make_model)
     trainer.fit()
     want = full_state(trainer.model, trainer.optimizer)
     if rank == 0:
@@ -371,10 +445,18 @@ def fsdp_trainer_resumes_a_one_rank_checkpoint(rank, world):
     """The checkpoint of a Trainer with parallel="fsdp" in one process (the pytest process,
     ``one_rank_trainer_checkpoint``) resumed on 2 ranks: the weights and moments equal the saved
     ones exactly, the warning says the data order changes, and training goes on."""
-    folder = shared_folder("trainer-one-rank")
+    _resumes_a_one_rank_checkpoint(shared_folder("trainer-one-rank"), rank, world, block_model)
+
+
+def fsdp_trainer_with_idle_parameters_resumes_a_one_rank_checkpoint(rank, world):
+    """The same with ``idle_model``: the state of the parameters that had one, and no other."""
+    _resumes_a_one_rank_checkpoint(shared_folder("trainer-one-rank-idle"), rank, world, idle_model)
+
+
+def _resumes_a_one_rank_checkpoint(folder: Path, rank: int, world: int, make_model) -> None:
     want = torch.load(folder / "full.pt", weights_only=True)
     with Captured() as log:
-        trainer = fsdp_trainer(folder, rank, world, resume=folder / "step-00000002")
+        trainer = fsdp_trainer(folder, rank, world, resume=folder / "step-00000002", make_model=make_model)
     assert_same(full_state(trainer.model, trainer.optimizer), want)
     warned = [m for m in log.messages if "data order cannot be the same" in m]
     assert len(warned) == (1 if rank == 0 else 0), log.messages
@@ -383,12 +465,44 @@ def fsdp_trainer_resumes_a_one_rank_checkpoint(rank, world):
     assert [row["step"] for row in rows] == [3, 4] and all(math.isfinite(row["loss"]) for row in rows)
 
 
-def one_rank_trainer_checkpoint(folder: Path) -> None:
+def one_rank_trainer_checkpoint(folder: Path, make_model=block_model) -> None:
     """In one process (the pytest process): a Trainer with parallel="fsdp" saves step 2."""
-    trainer = fsdp_trainer(folder, 0, 1, max_steps=2)
+    trainer = fsdp_trainer(folder, 0, 1, max_steps=2, make_model=make_model)
     trainer.fit()
     assert (folder / "step-00000002" / checkpoint.METADATA).is_file()
     torch.save(full_state(trainer.model, trainer.optimizer), folder / "full.pt")
+
+
+def a_checkpoint_that_does_not_fit_raises_checkpoint_error_on_every_rank(rank, world):
+    """Loading into a model with a parameter the checkpoint lacks (DCP's CheckpointException,
+    a BaseException, on every rank), on both ranks or on rank 1 only, or into an optimizer
+    with a parameter frozen on rank 1 only (refused before DCP runs): every rank raises
+    ``CheckpointError`` (an Exception) naming the folder and the problem, none left waiting."""
+    folder = shared_folder("misfit")
+    net = model(shard=True)
+    opt = train(net, STEPS, seed=rank)
+    path = sharded_checkpoint.save(folder, STEPS, net, opt, group=dist.group.WORLD)
+
+    def misfit() -> nn.Module:
+        target = model(shard=False)
+        target.add_module("extra", nn.Linear(2, 2))
+        return target
+
+    def frozen() -> nn.Module:
+        target = model(shard=False)
+        target[0].bias.requires_grad_(False)
+        return target
+
+    cases = [(misfit, {0, 1}, "Missing key in checkpoint state_dict: model.extra.weight"), (misfit, {1}, "rank 1")]
+    cases.append((frozen, {1}, r"0\.bias: now frozen"))
+    for make, odd_ranks, message in cases:
+        target = make() if rank in odd_ranks else model(shard=False)
+        try:
+            sharded_checkpoint.load(path, target, fresh_optimizer(target), group=dist.group.WORLD)
+        except checkpoint.CheckpointError as err:
+            assert str(path) in str(err) and re.search(message, str(err)), (odd_ranks, err)
+        else:
+            raise AssertionError(f"loaded into a model that does not fit on ranks {odd_ranks}")
 
 
 # --- a job killed while saving (run as a process of its own by the test) ----------------------

@@ -37,6 +37,10 @@ SCENARIOS = [
     "fsdp_trainer_saved_for_one_rank",
     "fsdp_trainer_resumes_a_one_rank_checkpoint",
     "ranks_resuming_from_a_folder_and_a_file_all_raise",
+    "fsdp_trainer_with_idle_parameters_resumes_exactly",
+    "fsdp_trainer_with_idle_parameters_saved_for_one_rank",
+    "fsdp_trainer_with_idle_parameters_resumes_a_one_rank_checkpoint",
+    "a_checkpoint_that_does_not_fit_raises_checkpoint_error_on_every_rank",
 ]
 
 
@@ -47,6 +51,7 @@ def shared():
     shutil.rmtree(root, ignore_errors=True)
     scenarios.save_on_one_rank(root / "one-rank")
     scenarios.one_rank_trainer_checkpoint(root / "trainer-one-rank")
+    scenarios.one_rank_trainer_checkpoint(root / "trainer-one-rank-idle", make_model=scenarios.idle_model)
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
@@ -81,22 +86,166 @@ def test_two_rank_checkpoint_loads_in_one_process(results, shared, caplog):
     assert "checkpoint of 2 rank(s) on 1" in caplog.text and "data order cannot be the same" in caplog.text
 
 
-def test_fsdp_trainer_two_ranks_to_one(results, shared, caplog):
+@pytest.mark.parametrize("idle", [False, True], ids=["", "idle-parameters"])
+def test_fsdp_trainer_two_ranks_to_one(results, shared, caplog, idle):
     """A 2-rank FSDP2 Trainer's checkpoint resumed by a Trainer with parallel="fsdp" in this
     process alone: weights and moments equal the saved ones bit for bit, each of the two
-    ranks' data positions is summed into one, with the warning; training goes on."""
-    multiprocess.assert_passed(results["fsdp_trainer_saved_for_one_rank"])
-    folder = shared / "trainer-two-ranks"
+    ranks' data positions is summed into one, with the warning; training goes on. ``idle``:
+    with parameters that have no optimizer state (``scenarios.idle_model``): none after the
+    load either."""
+    make_model = scenarios.idle_model if idle else scenarios.block_model
+    multiprocess.assert_passed(results[f"fsdp_trainer{'_with_idle_parameters' if idle else ''}_saved_for_one_rank"])
+    folder = shared / f"trainer-two-ranks{'-idle' if idle else ''}"
     with caplog.at_level(logging.WARNING, logger="gradfuse.train"):
-        trainer = scenarios.fsdp_trainer(folder, 0, 1, resume="latest")
+        trainer = scenarios.fsdp_trainer(folder, 0, 1, resume="latest", make_model=make_model)
     assert trainer.resumed_from == folder / "step-00000002"
     scenarios.assert_same(
         scenarios.full_state(trainer.model, trainer.optimizer), torch.load(folder / "full.pt", weights_only=True)
     )
     assert "checkpoint of 2 rank(s) on 1" in caplog.text and "data order cannot be the same" in caplog.text
     assert (trainer.batches.epoch, trainer.batches.position) == (0, 8)  # the 2 ranks' 4 batches each, on one
+    if idle:
+        names = scenarios.with_state(trainer.optimizer, trainer.model)
+        assert len(names) == 8 and all(n.startswith("layers.") for n in names), names
     rows = trainer.fit()
     assert [row["step"] for row in rows] == [3, 4]
+
+
+def test_one_process_fsdp_trainer_with_idle_parameters_resumes_exactly(tmp_path):
+    """parallel="fsdp" in one process (DCP without a process group) with a parameter that never
+    gets a gradient and one that gets its first after the step-2 checkpoint: 4 steps straight
+    == 2 steps, a crash, a resume, 2 steps, bit for bit (before: every checkpoint failed to
+    load, "Missing key in checkpoint state_dict: optimizer.state.extra.weight.step")."""
+    straight = scenarios.fsdp_trainer(None, 0, 1, save_every=None, make_model=scenarios.idle_model)
+    want_rows = scenarios.results(straight.fit())
+    want = scenarios.full_state(straight.model, straight.optimizer)
+    first = scenarios.fsdp_trainer(tmp_path, 0, 1, crash_after=2, make_model=scenarios.idle_model)
+    with pytest.raises(scenarios.Crash):
+        first.fit()
+    resumed = scenarios.fsdp_trainer(tmp_path, 0, 1, resume="latest", make_model=scenarios.idle_model)
+    assert resumed.step == 2
+    assert scenarios.with_state(resumed.optimizer, resumed.model) == scenarios.with_state(first.optimizer, first.model)
+    assert scenarios.results(resumed.fit()) == want_rows[2:]
+    scenarios.assert_same(scenarios.full_state(resumed.model, resumed.optimizer), want)
+    assert {"late.weight", "late.bias"} <= set(scenarios.with_state(resumed.optimizer, resumed.model))
+
+
+def _partly_trained(optimizer_class=torch.optim.AdamW, **settings):
+    """A model trained 2 steps, its middle layer in both, its first layer in the second only
+    (one step count fewer), its last layer never: the optimizer has state for some parameters."""
+    net = scenarios.model(shard=False)
+    opt = optimizer_class(net.parameters(), lr=1e-2, **settings)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(2):
+        x = torch.randn(4, 16, generator=gen)
+        if step == 1:
+            x = net[0](torch.randn(4, 6, generator=gen)) + x
+        net[2](torch.tanh(x)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return net, opt
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _partly_trained(),
+        lambda: _partly_trained(fused=True),
+        lambda: _partly_trained(torch.optim.SGD, momentum=0.9),
+    ],
+    ids=["adamw", "fused-adamw", "sgd-momentum"],
+)
+def test_optimizer_state_of_some_parameters_round_trips(tmp_path, make):
+    """Saved with state for some parameters only, loaded into a fresh optimizer and into one
+    that has state for other parameters and gradients: exactly the saved state, for exactly the
+    saved parameters, in both; the gradients are left as they were; one more step on each
+    equals one more step on the saved optimizer, bit for bit."""
+    net, opt = make()
+    assert 0 < len(opt.state) < len(list(net.parameters()))  # the bug's precondition: some, not all
+    path = sharded_checkpoint.save(tmp_path, 2, net, opt)
+    want = scenarios.full_state(net, opt)
+    fresh_net, fresh_opt = make()
+    fresh_opt.state.clear()
+    busy_net, busy_opt = make()
+    busy_opt.state.clear()
+    busy_net[4](torch.randn(2, 7)).sum().backward()  # state for the last layer only, and gradients
+    busy_opt.step()
+    grads = [p.grad for p in busy_net.parameters()]
+    for target, target_opt in ((fresh_net, fresh_opt), (busy_net, busy_opt)):
+        sharded_checkpoint.load(path, target, target_opt)
+        scenarios.assert_same(scenarios.full_state(target, target_opt), want)
+    assert all(a is b for a, b in zip(grads, [p.grad for p in busy_net.parameters()], strict=True))
+    busy_opt.zero_grad()
+    x = torch.randn(3, 6)
+    for model, optimizer in ((net, opt), (fresh_net, fresh_opt), (busy_net, busy_opt)):
+        model(x).square().sum().backward()
+        optimizer.step()
+    for a, b, c in zip(net.parameters(), fresh_net.parameters(), busy_net.parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    scenarios.assert_same(scenarios.full_state(fresh_net, fresh_opt), scenarios.full_state(net, opt))
+
+
+def test_a_checkpoint_with_made_up_optimizer_state_loads_without_it(tmp_path, monkeypatch):
+    """A checkpoint written before this fix for an optimizer without state holds torch's
+    made-up state (one step at lr 0) and says optimizer_stepped=False: it loads without it."""
+    net = scenarios.model(shard=False)
+    opt = scenarios.fresh_optimizer(net)
+
+    def as_before(model, optimizer):
+        states = sharded_checkpoint._dcp()[1](model, optimizer)
+        optimizer.state.clear()
+        return states
+
+    monkeypatch.setattr(sharded_checkpoint, "state_to_save", as_before)
+    path = sharded_checkpoint.save(tmp_path, 0, net, opt)
+    assert any(k.startswith("optimizer.state.") for k in scenarios.metadata_keys(path))
+    assert load_checkpoint(path)["optimizer_stepped"] is False
+    again = scenarios.model(shard=False)
+    opt_again = scenarios.fresh_optimizer(again)
+    sharded_checkpoint.load(path, again, opt_again)
+    assert not opt_again.state
+
+
+def test_a_checkpoint_that_does_not_fit_raises_checkpoint_error_in_one_process(tmp_path):
+    """DCP's CheckpointException derives from BaseException (``except Exception`` misses it):
+    it reaches the user as CheckpointError naming the folder and DCP's reason; the optimizer is
+    left as it was."""
+    net = scenarios.model(shard=False)
+    opt = scenarios.train(net, 1, seed=0)
+    path = sharded_checkpoint.save(tmp_path, 1, net, opt)
+    target = scenarios.model(shard=False)
+    target_opt = scenarios.train(target, 1, seed=3)
+    target.add_module("extra", torch.nn.Linear(2, 2))
+    target_opt.add_param_group({"params": list(target.extra.parameters())})
+    before = scenarios.full_state(target, target_opt)
+    try:
+        sharded_checkpoint.load(path, target, target_opt)
+    except Exception as err:  # the point: an ordinary Exception
+        assert isinstance(err, CheckpointError), type(err)
+        assert str(path) in str(err) and "Missing key in checkpoint state_dict: model.extra.weight" in str(err)
+    else:
+        raise AssertionError("no error")
+    after = scenarios.full_state(target, target_opt)
+    assert {k for k in after if k.startswith("optimizer.")} == {k for k in before if k.startswith("optimizer.")}
+    assert all(torch.equal(after[k], before[k]) for k in before if k.startswith("optimizer."))
+
+
+def test_optimizer_state_the_optimizer_has_no_place_for_is_refused(tmp_path):
+    """State saved for a parameter the optimizer now lacks, or that is now frozen (torch's
+    set_state_dict drops a frozen parameter's state): a CheckpointError naming it, not a
+    resume that silently starts that parameter's moments over; the optimizer left as it was."""
+    net = scenarios.model(shard=False)
+    path = sharded_checkpoint.save(tmp_path, 1, net, scenarios.train(net, 2, seed=0))
+    for problem in ("not a parameter of this optimizer", "now frozen"):
+        target = scenarios.model(shard=False)
+        if problem == "now frozen":
+            target[0].weight.requires_grad_(False)
+            opt = scenarios.fresh_optimizer(target)
+        else:
+            opt = torch.optim.AdamW([p for name, p in target.named_parameters() if name != "0.weight"], lr=1e-2)
+        with pytest.raises(CheckpointError, match=rf"{path} holds optimizer state .*\(0\.weight: {problem}"):
+            sharded_checkpoint.load(path, target, opt)
+        assert not opt.state
 
 
 def test_one_process_fsdp_trainer_keeps_its_best_as_a_folder(tmp_path):

@@ -32,6 +32,8 @@ SCENARIOS = [
     "per_module_norms_match_ddp_and_one_process",
     "agc_matches_ddp",
     "agc_refuses_shards_that_split_its_units",
+    "tied_weights_in_one_unit_match_ddp_and_one_process",
+    "split_tied_weights_are_refused_before_anything_is_sharded",
 ]
 
 
@@ -55,6 +57,15 @@ def test_two_ranks(results, name):
         (dict(parallel="zero"), ValueError, "TrainConfig.parallel must be one of 'ddp', 'fsdp', got 'zero'"),
         (dict(parallel="fsdp", fsdp_units="Block"), TypeError, "TrainConfig.fsdp_units must be a list of module class"),
         (dict(parallel="fsdp", fsdp_units=[1]), TypeError, "TrainConfig.fsdp_units must be a list of module class"),
+        (dict(parallel="fsdp", fsdp_units=[("embed", 1)]), TypeError, r"or a list/tuple of names .*entry 0 is \("),
+        (dict(parallel="fsdp", fsdp_units=["Block", {"embed"}]), TypeError, r"entry 1 is \{'embed'\}"),
+        (
+            dict(parallel="fsdp", fsdp_units=["Block", ()]),
+            ValueError,
+            r"entry 1 \(\(\)\) must name at least one module",
+        ),
+        (dict(parallel="fsdp", fsdp_units=[["embed", ""]]), ValueError, "no name may be empty"),
+        (dict(parallel="fsdp", fsdp_units=[""]), ValueError, "TrainConfig.fsdp_units entry 0 is an empty name"),
         (dict(parallel="fsdp", reshard_after_forward=1), TypeError, "TrainConfig.reshard_after_forward must be True"),
         (dict(parallel="fsdp", cpu_offload="yes"), TypeError, "TrainConfig.cpu_offload must be True or False"),
         (dict(fsdp_units=["Block"]), ValueError, "TrainConfig.fsdp_units applies to parallel='fsdp' only"),
@@ -146,3 +157,82 @@ def test_units_come_innermost_first_without_the_root():
     assert units.index(inner) < units.index(outer)
     with pytest.raises(ValueError, match=r"fsdp_units names \['Blok'\].*Block, Linear"):
         fsdp_units(root, ["Block", "Blok"])
+
+
+def test_a_group_is_one_unit_sharded_before_the_units_around_its_modules():
+    """A list/tuple entry is one unit (a list of modules), named by qualified names or classes;
+    it comes before every unit holding one of its modules, even one whose other module comes
+    later in the model (FSDP2 shards inner units first); name entries stay modules, a module
+    named twice by name entries is one unit, and the config keeps groups as lists."""
+    from torch import nn
+
+    from gradfuse.train.fsdp import check_ties, fsdp_units
+
+    class Block(nn.Sequential):
+        pass
+
+    net = nn.Sequential()
+    net.add_module("outer", Block(nn.Linear(2, 2)))
+    net.add_module("mid", nn.Linear(2, 2))
+    net.add_module("last", Block(nn.Linear(2, 2)))
+    net.add_module("head", nn.Linear(2, 2))
+    net.head.weight = net.outer[0].weight  # tied: the group below keeps them together
+    units = fsdp_units(net, ["Block", ("head", "outer.0"), "last"])
+    group = [u for u in units if isinstance(u, list)]
+    assert group == [[net.head, net.outer[0]]]
+    assert units.index(group[0]) < units.index(net.outer) and len(units) == 3  # "last": a Block already
+    check_ties(net, units)
+    with pytest.raises(ValueError, match=r"outer\.0\.weight \(in unit 'outer' \(Block\)\) is the same .*'head'"):
+        check_ties(net, fsdp_units(net, ["Block", "head"]))
+    by_class = fsdp_units(net, [("Linear",)])  # every Linear of the model: one unit
+    assert [set(map(id, u)) for u in by_class] == [{id(m) for m in net.modules() if isinstance(m, nn.Linear)}]
+    config = TrainConfig(parallel="fsdp", fsdp_units=["Block", ("head", "outer.0")])
+    assert config.to_dict()["fsdp_units"] == ["Block", ["head", "outer.0"]]  # compared on resume: as saved
+
+
+def test_a_shared_module_in_two_units_is_refused():
+    """The same module at two places, one inside a unit and one left to the root: its
+    parameters would be in two units (torch refuses at the first forward)."""
+    from torch import nn
+
+    from gradfuse.train.fsdp import check_ties, fsdp_units
+
+    class Block(nn.Sequential):
+        pass
+
+    shared = nn.Linear(2, 2)
+    net = nn.Sequential(Block(shared), shared)
+    with pytest.raises(
+        ValueError, match=r"0\.0\.weight \(in unit '0' \(Block\)\) is the same parameter as 1\.weight \(in the root"
+    ):
+        check_ties(net, fsdp_units(net, ["Block"]))
+    check_ties(net, fsdp_units(net, ["Block", "1"]))  # the shared module a unit of its own: fine
+
+
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        (["Block", ("b", "head")], r"entries 0 \('Block'\) and 1 \(\('b', 'head'\)\) both take the module 'b'"),
+        ([("b", "head"), "head"], r"both take the module 'head'"),
+        ([("a", "a.0")], r"group \('a', 'a\.0'\) holds 'a\.0', which is inside 'a' of the same group"),
+        ([("a", "b.0"), ("b", "a.0")], r"each hold a module inside another's"),
+        (["Linear"], r"'Linear' is both a module class and the qualified name of another module"),
+        ([("head", "nothing")], r"names \['nothing'\], but the model has no module of that class or qualified name"),
+    ],
+)
+def test_fsdp_units_that_cannot_be_sharded_are_refused(entries, message):
+    from torch import nn
+
+    from gradfuse.train.fsdp import fsdp_units
+
+    class Block(nn.Sequential):
+        pass
+
+    net = nn.Sequential()
+    for name in ("a", "b"):
+        net.add_module(name, Block(nn.Linear(2, 2)))
+    net.add_module("head", nn.Linear(2, 2))
+    if entries == ["Linear"]:
+        net.add_module("Linear", nn.Tanh())
+    with pytest.raises(ValueError, match=message):
+        fsdp_units(net, entries)

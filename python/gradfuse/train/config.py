@@ -67,7 +67,11 @@ class TrainConfig:
     # Parallelism (train/fsdp.py): under torchrun, ddp (DistributedDataParallel + gradfuse's hook)
     # or fsdp (FSDP2's fully_shard: each module whose class is named in fsdp_units, then the root).
     parallel: str = "ddp"
-    fsdp_units: Sequence[str] = ()  # module class names sharded one by one before the root
+    # Sharded one by one before the root: each entry a module class name (every module of that
+    # class a unit of its own) or a module's qualified name ("lm_head"); an entry that is a list
+    # or tuple of such names makes all the modules it names ONE unit (fully_shard([a, b]): tied
+    # weights must share a unit).
+    fsdp_units: Sequence[str | Sequence[str]] = ()
     reshard_after_forward: bool = True  # fsdp: free the gathered parameters after forward (gather again in backward)
     cpu_offload: bool = False  # fsdp: keep the sharded parameters, gradients and optimizer state in CPU memory
 
@@ -131,8 +135,7 @@ class TrainConfig:
     def _check_parallel(self) -> None:
         _check_choice("parallel", self.parallel, PARALLELS)
         units = self.fsdp_units
-        if isinstance(units, str) or not isinstance(units, Sequence) or not all(isinstance(n, str) for n in units):
-            _fail("fsdp_units", f"must be a list of module class names, got {units!r}", TypeError)
+        _check_fsdp_units(units)
         for name in ("reshard_after_forward", "cpu_offload"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"must be True or False, got {getattr(self, name)!r}", TypeError)
@@ -149,8 +152,28 @@ class TrainConfig:
             value = getattr(self, f.name)
             out[f.name] = os.fspath(value) if isinstance(value, os.PathLike) else value
         out["activation_checkpointing"] = list(self.activation_checkpointing)
-        out["fsdp_units"] = list(self.fsdp_units)
+        out["fsdp_units"] = [unit if isinstance(unit, str) else list(unit) for unit in self.fsdp_units]
         return out
+
+
+def _check_fsdp_units(units) -> None:
+    """``fsdp_units``: a list of names (class or qualified module names), an entry a name or a
+    non-empty list/tuple of names (one unit of several modules)."""
+    what = (
+        "must be a list of module class names or qualified module names, each entry a name or a list/tuple of "
+        "names (modules sharded together as one unit)"
+    )
+    if isinstance(units, str) or not isinstance(units, Sequence):
+        _fail("fsdp_units", f"{what}, got {units!r}", TypeError)
+    for index, unit in enumerate(units):
+        if isinstance(unit, str):
+            if not unit:
+                _fail("fsdp_units", f"entry {index} is an empty name")
+            continue
+        if not isinstance(unit, (list, tuple)) or not all(isinstance(name, str) for name in unit):
+            _fail("fsdp_units", f"{what}; entry {index} is {unit!r}", TypeError)
+        if not unit or not all(unit):
+            _fail("fsdp_units", f"entry {index} ({unit!r}) must name at least one module, and no name may be empty")
 
 
 def _fail(name: str, problem: str, kind: type[Exception] = ValueError):

@@ -1,10 +1,14 @@
 """``FSDPGradients``: the model sharded across the ranks by FSDP2 (``parallel="fsdp"``).
 
 FSDP2 is torch's ``torch.distributed.fsdp.fully_shard`` (not the older
-``FullyShardedDataParallel``): every module whose class is named in ``TrainConfig.fsdp_units``
-is sharded as a unit of its own (its parameters gathered for its forward and backward, then
-freed), then the root takes the rest. Each parameter becomes a DTensor sharded on dimension 0
-over the ranks; its gradient arrives reduce-scattered, a DTensor shard as well.
+``FullyShardedDataParallel``): every module named in ``TrainConfig.fsdp_units`` (by class or by
+qualified name) is sharded as a unit of its own (its parameters gathered for its forward and
+backward, then freed), the modules of a list/tuple entry together as one unit
+(``fully_shard([a, b])``), then the root takes the rest. Each parameter becomes a DTensor
+sharded on dimension 0 over the ranks; its gradient arrives reduce-scattered, a DTensor shard
+as well. A parameter must lie in one unit: tied weights whose modules fall in different units
+are refused (``check_ties``) before anything is sharded (torch refuses only at the first
+forward, with the model sharded and no way back).
 
 Settings that follow the config: a ``MixedPrecisionPolicy`` from ``precision`` (bf16 and fp16
 compute with 16-bit gathered parameters and reduce the gradients in fp32; fp32: none),
@@ -45,19 +49,176 @@ from .config import TrainConfig
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def fsdp_units(model: torch.nn.Module, class_names: Sequence[str]) -> list[torch.nn.Module]:
-    """The modules to shard one by one, innermost first (FSDP2 shards a module's descendants
-    before the module); the root is left out (it is sharded last, in any case). A name that
-    matches no module is an error, raised before anything is sharded."""
-    wanted = set(class_names)
+#: A unit FSDP2 shards as one: a module, or several sharded together (``fully_shard([a, b])``).
+Unit = torch.nn.Module | list[torch.nn.Module]
+
+
+def fsdp_units(model: torch.nn.Module, entries: Sequence[str | Sequence[str]]) -> list[Unit]:
+    """The units to shard one by one (``TrainConfig.fsdp_units``), innermost first (FSDP2 shards
+    a module's descendants before the module); the root is left out (it is sharded last, in any
+    case). A name is a module class name or a module's qualified name. A name entry makes each
+    module it matches a unit of its own; a list/tuple entry makes all the modules its names
+    match ONE unit (returned as a list of modules). Everything that can be wrong is raised (``ValueError``) before
+    anything is sharded: a name that matches no module, a name that is a class name and another
+    module's qualified name, a module in two units, a group holding a module and its
+    descendant, units that each hold a module inside the other."""
+    paths = dict(model.named_modules(remove_duplicate=False))  # every path of a shared module
+    modules = [m for m in model.modules() if m is not model]  # pre-order, each module once
     present = {type(m).__name__ for m in model.modules()}
-    if wanted - present:
+    missing = sorted({name for entry in entries for name in _names(entry) if name not in present and name not in paths})
+    if missing:
         raise ValueError(
-            f"TrainConfig.fsdp_units names {sorted(wanted - present)}, but the model has no module of that class "
+            f"TrainConfig.fsdp_units names {missing}, but the model has no module of that class or qualified name "
             f"(it has: {', '.join(sorted(present))})"
         )
-    # Reversed pre-order: every module comes after all of its descendants.
-    return [m for m in reversed(list(model.modules())) if type(m).__name__ in wanted and m is not model]
+    units: list[list[torch.nn.Module]] = []
+    grouped: list[bool] = []  # per unit: made by a list/tuple entry
+    taken: dict[int, int] = {}  # id(module) -> the entry that put it in a unit
+    for index, entry in enumerate(entries):
+        group = not isinstance(entry, str)
+        found = list({id(m): m for name in _names(entry) for m in _resolve(model, paths, modules, name)}.values())
+        for module in found:
+            first = taken.setdefault(id(module), index)
+            if first != index and (group or not isinstance(entries[first], str)):
+                raise ValueError(
+                    f"TrainConfig.fsdp_units entries {first} ({entries[first]!r}) and {index} ({entry!r}) both take "
+                    f"the module {_path(model, module)!r}: a module can be in one unit only"
+                )
+        if group and found:
+            _check_group(model, entry, found)
+            units.append(found)
+            grouped.append(True)
+        elif not group:
+            fresh = [m for m in found if taken[id(m)] == index]  # the same class or module named again: once
+            units += [[m] for m in fresh]
+            grouped += [False] * len(fresh)
+    order = _innermost_first(model, paths, modules, units)
+    return [units[i] if grouped[i] else units[i][0] for i in order]
+
+
+def check_ties(model: torch.nn.Module, units: Sequence[Unit]) -> None:
+    """FSDP2 needs each parameter in one unit: a parameter registered under several names (tied
+    weights, a shared module) whose names fall in different units (``units``, then the root for
+    what no unit takes) is refused, before anything is sharded, with the grouping that fixes it
+    (the modules that hold it, as one unit). torch itself finds it only at the first forward,
+    with the model sharded."""
+    member_of = {id(m): index for index, unit in enumerate(units) for m in _members(unit)}
+    owners: dict[int, dict[int | None, list[str]]] = {}  # id(parameter) -> unit index (None: root) -> names
+    holders: dict[int, dict[int, str]] = {}  # id(parameter) -> id(module holding it) -> that module's path
+    for path, module in model.named_modules(remove_duplicate=False):
+        owner = _owner(model, path, member_of)
+        for local, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), {}).setdefault(owner, []).append(f"{path}.{local}" if path else local)
+                holders.setdefault(id(param), {}).setdefault(id(module), path)
+    problems, group = [], []
+    for pid, by_unit in owners.items():
+        if len(by_unit) > 1:
+            names = (f"{', '.join(names)} (in {_describe(model, units, unit)})" for unit, names in by_unit.items())
+            problems.append(" is the same parameter as ".join(names))
+            group += [path for path in holders[pid].values() if path]  # "": the root itself holds it
+    if problems:
+        raise ValueError(
+            "TrainConfig.fsdp_units splits tied parameters across FSDP2 units: "
+            + "; ".join(problems)
+            + ". FSDP2 needs every parameter in one unit (torch would refuse at the first forward, with the model "
+            "sharded). Put the modules that hold them in one unit, an fsdp_units entry that is a list of names, e.g. "
+            f"{tuple(dict.fromkeys(group))!r} (and no other entry naming them), or leave them all to the root. "
+            "Nothing was sharded."
+        )
+
+
+def _names(entry: str | Sequence[str]) -> list[str]:
+    return [entry] if isinstance(entry, str) else list(entry)
+
+
+def _resolve(
+    model: torch.nn.Module, paths: dict[str, torch.nn.Module], modules: list[torch.nn.Module], name: str
+) -> list[torch.nn.Module]:
+    """The modules ``name`` names, the root left out: every module of that class, or the one at
+    that qualified name; a name that is both is refused."""
+    by_class = [m for m in modules if type(m).__name__ == name]
+    at_path = paths.get(name)
+    if by_class and at_path is not None and by_class != [at_path]:
+        raise ValueError(
+            f"TrainConfig.fsdp_units name {name!r} is both a module class and the qualified name of another module; "
+            "rename one, or name the modules by their qualified names"
+        )
+    return by_class if by_class else [m for m in (at_path,) if m is not None and m is not model]
+
+
+def _check_group(model: torch.nn.Module, entry: Sequence[str], members: list[torch.nn.Module]) -> None:
+    for outer in members:
+        for inner in members:
+            if inner is not outer and any(m is inner for m in outer.modules()):
+                raise ValueError(
+                    f"TrainConfig.fsdp_units group {entry!r} holds {_path(model, inner)!r}, which is inside "
+                    f"{_path(model, outer)!r} of the same group: name the outer module only"
+                )
+
+
+def _innermost_first(
+    model: torch.nn.Module,
+    paths: dict[str, torch.nn.Module],
+    modules: list[torch.nn.Module],
+    units: list[list[torch.nn.Module]],
+) -> list[int]:
+    """The indices of ``units`` in an order where a unit holding a module comes after every unit
+    inside that module (FSDP2 shards bottom-up), otherwise in reversed pre-order (as before
+    groups existed); units that each hold a module inside the other are refused."""
+    position = {id(m): i for i, m in enumerate(reversed(modules))}
+    ancestors: dict[int, set[int]] = {}  # id(module) -> ids of the modules above it, on every path
+    for path, module in paths.items():
+        parts = path.split(".") if path else []
+        ancestors.setdefault(id(module), set()).update(id(paths[".".join(parts[:i])]) for i in range(len(parts)))
+    member_ids = [{id(m) for m in unit} for unit in units]
+    above = [set().union(*(ancestors[id(m)] for m in unit)) for unit in units]
+    # unit j must wait for unit i when one of j's modules is above one of i's
+    waits = {j: {i for i in range(len(units)) if i != j and member_ids[j] & above[i]} for j in range(len(units))}
+    order: list[int] = []
+    done: set[int] = set()
+    pending = sorted(range(len(units)), key=lambda i: min(position[id(m)] for m in units[i]))
+    while pending:
+        ready = next((j for j in pending if waits[j] <= done), None)
+        if ready is None:
+            stuck = ", ".join(repr(tuple(_path(model, m) for m in units[j])) for j in pending)
+            raise ValueError(
+                f"TrainConfig.fsdp_units: the units {stuck} each hold a module inside another's; FSDP2 shards inner "
+                "units first, so no order works: regroup them"
+            )
+        order.append(ready)
+        done.add(ready)
+        pending.remove(ready)
+    return order
+
+
+def _members(unit: Unit) -> list[torch.nn.Module]:
+    return unit if isinstance(unit, list) else [unit]
+
+
+def _owner(model: torch.nn.Module, path: str, member_of: dict[int, int]) -> int | None:
+    """The unit that takes the parameters of the module at ``path``: the innermost unit on the
+    path (sharded first), or None for the root."""
+    parts = path.split(".") if path else []
+    module = model
+    owner = None
+    for part in parts:
+        module = module.get_submodule(part)
+        owner = member_of.get(id(module), owner)
+    return owner
+
+
+def _path(model: torch.nn.Module, module: torch.nn.Module) -> str:
+    return next(path for path, m in model.named_modules(remove_duplicate=False) if m is module)
+
+
+def _describe(model: torch.nn.Module, units: Sequence[Unit], index: int | None) -> str:
+    if index is None:
+        return "the root, which takes what no unit does"
+    members = _members(units[index])
+    if len(members) == 1:
+        return f"unit {_path(model, members[0])!r} ({type(members[0]).__name__})"
+    return f"unit {tuple(_path(model, m) for m in members)!r}"
 
 
 def mixed_precision(precision: str):
@@ -125,6 +286,7 @@ class FSDPGradients:
                 "parallelism); pass the plain model, and the Trainer shards it as TrainConfig.fsdp_units says"
             )
         units = fsdp_units(model, config.fsdp_units)
+        check_ties(model, units)
         names = _optimizer_names(model, optimizer)
         device = next(model.parameters()).device
         if config.cpu_offload and device.type != "cuda":

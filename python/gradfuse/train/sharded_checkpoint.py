@@ -32,6 +32,7 @@ folders are written and read through DCP's single-process mode.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -76,16 +77,10 @@ def save(
         temp.mkdir()
 
     _together(group, rank == 0 and prepare, f"could not start the checkpoint {final}")
-    dcp, get_state_dict, _ = _dcp()
+    dcp, _, _ = _dcp()
     stepped = bool(optimizer.state)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    if not stepped:
-        # torch's get_state_dict steps an optimizer that has no state yet once, at lr 0, to have
-        # a state to save (AdamW: step 1, zero moments); training on from it would not be the run
-        # without the save. The made-up state is saved (DCP's load asks for it) but forgotten,
-        # here and after a load.
-        optimizer.state.clear()
-    with _single_process_quiet(group):
+    model_state, optimizer_state = state_to_save(model, optimizer)
+    with _single_process_quiet(group), _dcp_errors(f"could not write the checkpoint {final}"):
         metadata = dcp.save(
             {"model": model_state, "optimizer": optimizer_state},
             checkpoint_id=temp,
@@ -136,18 +131,41 @@ def save(
 def load_model_and_optimizer(folder: str | os.PathLike, model: torch.nn.Module, optimizer, *, group=None) -> None:
     """Read ``model``'s and ``optimizer``'s state from the sharded checkpoint ``folder``, on any
     world size: DCP fills the state dicts the model and optimizer have now (their shards on
-    this rank), then ``set_state_dict`` puts them in place. Every rank of ``group`` calls it
-    (``None``: this process alone). The folder should have been checked first
-    (``checkpoint.load_checkpoint``)."""
+    this rank), then ``set_state_dict`` puts them in place. The optimizer ends with state for
+    exactly the parameters that had state when it was saved (``optimizer_template``). Every
+    rank of ``group`` calls it (``None``: this process alone); a failure on any rank raises
+    ``CheckpointError`` naming the folder on every rank. The folder should have been checked
+    first (``checkpoint.load_checkpoint``)."""
     agree_on_checkpoint(folder, group, folders_only="loading through torch.distributed.checkpoint")
-    dcp, get_state_dict, set_state_dict = _dcp()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    with _single_process_quiet(group):
-        dcp.load(state, checkpoint_id=Path(folder), process_group=group, no_dist=group is None)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    if not checkpoint.load_checkpoint(Path(folder) / checkpoint.TRAINER_FILE).get("optimizer_stepped", True):
-        optimizer.state.clear()  # saved before the optimizer had a state (see ``save``)
+    folder = Path(folder)
+    dcp, _, set_state_dict = _dcp()
+    failure = f"could not load the checkpoint {folder}"
+    put_aside = _SetAside(optimizer)
+    try:
+        loaded: dict = {}
+
+        def prepare():
+            loaded["model"], loaded["optimizer"], loaded["saved"] = optimizer_template(folder, model, optimizer)
+
+        _together(group, _naming(failure, prepare), failure)
+        model_state, optimizer_state, saved = loaded["model"], loaded["optimizer"], loaded["saved"]
+        # DCP fills the states the checkpoint holds; the template's others are torch's made-up ones.
+        state = {"model": model_state, "optimizer": _only(optimizer_state, saved)}
+        with _single_process_quiet(group), _dcp_errors(failure):
+            dcp.load(state, checkpoint_id=folder, process_group=group, no_dist=group is None)
+
+        def put_in_place():
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+            if not checkpoint.load_checkpoint(folder / checkpoint.TRAINER_FILE).get("optimizer_stepped", True):
+                saved.clear()  # saved by an older gradfuse with the made-up state of an optimizer without one
+            forget_made_up_state(optimizer, optimizer_state, saved)
+
+        _together(group, _naming(failure, put_in_place), failure)
+    except BaseException:
+        put_aside.restore_state()
+        raise
+    finally:
+        put_aside.restore_grads()
 
 
 def agree_on_checkpoint(path: str | os.PathLike, group, *, folders_only: str | None = None) -> None:
@@ -220,6 +238,145 @@ def resplit_data(positions: list[dict], world: int) -> dict:
         return {"epoch": epoch, "position": 0, "epoch_rng_state": None}
     taken = sum(p["position"] for p in behind)
     return {"epoch": epoch, "position": taken // world, "epoch_rng_state": started[0]["epoch_rng_state"]}
+
+
+# --- optimizer state: saved and loaded for exactly the parameters that have one ---------------
+#
+# An optimizer such as AdamW makes a parameter's state at its first gradient: a parameter that
+# has not had one yet (a head unused in forward, a branch not taken so far) has none. torch's
+# ``get_state_dict`` gives the state the optimizer has, except that an optimizer with no state
+# at all is first stepped once at lr 0 to make one (AdamW: step 1, zero moments) for every
+# trainable parameter; a fresh optimizer being loaded gets that made-up state too, and DCP's
+# load then asks the checkpoint for every parameter's (pytorch/pytorch#192202). Here the
+# checkpoint holds the real state only, the load asks DCP for the parameters the checkpoint has
+# state for (its metadata says which), and the made-up state is forgotten after both: the
+# optimizer has state for the same parameters after a load as before the save, and training on
+# is the run without a checkpoint, whatever subset that is.
+
+
+def state_to_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """``model``'s and ``optimizer``'s state dicts (``get_state_dict``, parameters named by
+    their FQNs), the optimizer's holding the state of the parameters that have one; any state
+    torch made up on the way is taken off the optimizer again."""
+    _, get_state_dict, _ = _dcp()
+    had_state = {p for p, state in optimizer.state.items() if state}
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    names = _fqns(optimizer, optimizer_state)
+    real = {names[p] for p in had_state}
+    forget_made_up_state(optimizer, optimizer_state, real)
+    return model_state, _only(optimizer_state, real)
+
+
+def optimizer_template(
+    folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict, dict, set]:
+    """(model state dict, optimizer state dict, FQNs of the parameters the checkpoint in
+    ``folder`` holds optimizer state for): the state dicts DCP loads into, the optimizer's with
+    an entry for every trainable parameter (torch makes them up: ``optimizer`` must have no
+    state and no gradients, see ``_SetAside``). Raises ``CheckpointError`` where the checkpoint
+    holds state this optimizer has no place for: it would be dropped without a word."""
+    import torch.distributed.checkpoint as dcp
+
+    _, get_state_dict, _ = _dcp()
+    keys = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    trainable = set(optimizer_state["state"])
+    known = {fqn for group in optimizer_state["param_groups"] for fqn in group["params"]}
+    saved, unknown = set(), set()
+    for key in keys:
+        if not key.startswith(_STATE_PREFIX):
+            continue
+        name = key[len(_STATE_PREFIX) :]  # "<parameter FQN>.<state key>[.<nested key>...]"
+        fqn = next((name[:i] for i, c in enumerate(name) if c == "." and name[:i] in known), None)
+        (saved if fqn is not None else unknown).add(fqn or name.rsplit(".", 1)[0])
+    problems = {"not a parameter of this optimizer": unknown, "now frozen (requires_grad=False)": saved - trainable}
+    problems = {why: names for why, names in problems.items() if names}
+    if problems:
+        listed = "; ".join(f"{', '.join(sorted(names))}: {why}" for why, names in problems.items())
+        raise checkpoint.CheckpointError(
+            f"the checkpoint {folder} holds optimizer state that this optimizer has no place for ({listed}); loading "
+            "would drop it: resume with the model and optimizer that saved it"
+        )
+    return model_state, optimizer_state, saved
+
+
+def forget_made_up_state(optimizer: torch.optim.Optimizer, optimizer_state: dict, keep: set) -> None:
+    """Take the state of every parameter whose FQN is not in ``keep`` off ``optimizer``
+    (``optimizer_state``: the ``get_state_dict`` that names its parameters)."""
+    for p, fqn in _fqns(optimizer, optimizer_state).items():
+        if fqn not in keep:
+            optimizer.state.pop(p, None)
+
+
+_STATE_PREFIX = "optimizer.state."  # the keys of the optimizer's per-parameter state in DCP's metadata
+
+
+def _fqns(optimizer: torch.optim.Optimizer, optimizer_state: dict) -> dict:
+    """parameter -> its FQN in ``optimizer_state`` (``get_state_dict`` lists each group's
+    parameters by FQN, in the optimizer's order)."""
+    return {
+        p: fqn
+        for group, named in zip(optimizer.param_groups, optimizer_state["param_groups"], strict=True)
+        for p, fqn in zip(group["params"], named["params"], strict=True)
+    }
+
+
+def _only(optimizer_state: dict, fqns: set) -> dict:
+    """``optimizer_state`` with the per-parameter state of ``fqns`` only (the same inner dicts)."""
+    return {**optimizer_state, "state": {k: v for k, v in optimizer_state["state"].items() if k in fqns}}
+
+
+class _SetAside:
+    """The optimizer's state and the parameters' gradients set aside while a load runs: torch
+    makes up a state for every trainable parameter (the template DCP loads into) only for an
+    optimizer with no state and parameters with no gradients. ``restore_state`` puts the
+    state back (a failed load), ``restore_grads`` the gradients (always)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer, self.state = optimizer, optimizer.state
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.grads = [p.grad for p in self.params]
+        optimizer.state = collections.defaultdict(dict)
+        for p in self.params:
+            p.grad = None
+
+    def restore_state(self) -> None:
+        self.optimizer.state = self.state
+
+    def restore_grads(self) -> None:
+        for p, grad in zip(self.params, self.grads, strict=True):
+            p.grad = grad
+
+
+def _naming(failure: str, work):
+    """``work`` raising ``CheckpointError("<failure>: ...")`` for any error of its own."""
+
+    def run():
+        try:
+            work()
+        except checkpoint.CheckpointError:
+            raise
+        except Exception as err:
+            raise checkpoint.CheckpointError(f"{failure}: {type(err).__name__}: {err}") from err
+
+    return run
+
+
+@contextlib.contextmanager
+def _dcp_errors(failure: str):
+    """DCP's ``CheckpointException`` (a ``BaseException``: ``except Exception`` misses it; DCP
+    raises it on every rank) as ``CheckpointError("<failure>: ...")``, each failed rank's error
+    named."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
+        by_error: dict[str, list[int]] = {}
+        for rank, (error, _) in sorted(err.failures.items()):
+            by_error.setdefault(f"{type(error).__name__}: {error}", []).append(rank)
+        why = "; ".join(f"rank {', '.join(map(str, ranks))}: {e}" for e, ranks in by_error.items())
+        raise checkpoint.CheckpointError(f"{failure}: {why or err}") from err
 
 
 def _dcp():
