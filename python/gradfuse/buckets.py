@@ -39,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _plan as P
 from . import distributed as D
+from . import ops
 from .ops import accumulate_, check_max_norm
 
 Tensor = torch.Tensor
@@ -62,6 +63,7 @@ _LIVE: weakref.WeakValueDictionary[int, GradBuckets] = weakref.WeakValueDictiona
 _OWNERS: weakref.WeakValueDictionary[int, GradBuckets] = weakref.WeakValueDictionary()
 
 _grad = attrgetter("grad")
+_main_grad = attrgetter("main_grad")
 _PLAIN = frozenset({Tensor, torch.nn.Parameter})
 
 
@@ -424,8 +426,10 @@ class GradBuckets:
         if not all(map(operator.is_, map(_grad, self._grad_params), self._grad_views)):
             return False
         if self._main_params:
-            mains = [getattr(p, "main_grad", None) for p in self._main_params]
-            if not all(map(operator.is_, mains, self._main_views)):
+            try:
+                if not all(map(operator.is_, map(_main_grad, self._main_params), self._main_views)):
+                    return False
+            except AttributeError:  # a main_grad deleted
                 return False
         if list(map(Tensor.data_ptr, self._views)) != self._ptrs:
             return False
@@ -475,7 +479,7 @@ class GradBuckets:
         parts = []
         if dense:
             try:
-                parts.append(torch.ops.gradfuse.multi_tensor_norm(dense, norm_type, False)[0])
+                parts.append(ops.multi_tensor_norm_op(dense, norm_type, False)[0])
             except (P.UnsupportedTensorError, P.MixedDevicesError, NotImplementedError):
                 odd = dense + odd
         if odd:
@@ -552,7 +556,7 @@ class GradBuckets:
         with torch.no_grad():
             if self._all_live():
                 if process_group is None and norm_type > 0 and self._buffers:
-                    return torch.ops.gradfuse.clip_grad_norm_(self._buffers, max_norm, norm_type, error_if_nonfinite)
+                    return ops.clip_grad_norm_op(self._buffers, max_norm, norm_type, error_if_nonfinite)
                 total = self._total(
                     self._buffers if norm_type > 0 else self._slots, [], norm_type, error_if_nonfinite, process_group
                 )
@@ -566,7 +570,7 @@ class GradBuckets:
     def _scale(self, dense: list[Tensor], odd: list[Tensor], max_norm: float, total: Tensor) -> None:
         if dense:
             try:
-                torch.ops.gradfuse.clip_grads_with_norm_(dense, max_norm, total.to(dense[0].device))
+                ops.clip_grads_with_norm_op(dense, max_norm, total.to(dense[0].device))
             except (P.UnsupportedTensorError, P.OverlapError, P.MixedDevicesError, NotImplementedError):
                 odd = dense + odd  # nothing was modified; torch's per-tensor rule below
         if odd:

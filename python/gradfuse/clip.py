@@ -24,6 +24,7 @@ import threading
 import types
 import warnings
 from collections.abc import Callable, Iterable
+from operator import attrgetter
 
 import torch
 import torch.nn.utils
@@ -45,6 +46,7 @@ _TORCH = {
     for name in ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_")
 }
 _PLAIN = frozenset({Tensor, torch.nn.Parameter})
+_device = attrgetter("device")
 _DEVICES = frozenset({"cpu", "cuda"})
 #: What the ops raise, before modifying anything, for calls that torch must answer.
 _TORCHS = (P.UnsupportedTensorError, P.OverlapError)
@@ -81,7 +83,7 @@ def _fused_groups(tensors: list[Tensor], one_device: bool) -> dict[torch.device,
             return None
     elif not set(map(type, tensors)) <= _PLAIN:
         return None
-    if one_device and not compiling:
+    if not compiling and (one_device or len(set(map(_device, tensors))) == 1):
         groups = {tensors[0].device: tensors}
     else:
         groups = {}

@@ -500,7 +500,6 @@ def _check_units(op: str, tensors: list[Tensor], units: list[int]) -> None:
 
 
 def _units_run(tensors: list[Tensor], units: list[int], norm_type: float):
-    _check_units(_UNITS, tensors, units)
     # Units are rows in logical (row-major) order: a dense but permuted tensor is copied.
     plan = P.make_plan(_UNITS, "tensors", tensors, inplace=False, dense_ok=False)
     # A unit of an empty tensor is empty: no identity for these orders (torch refuses them too).
@@ -512,7 +511,9 @@ def _units_run(tensors: list[Tensor], units: list[int], norm_type: float):
 
 
 def _units_check(tensors, units, norm_type):
-    return tensors, units, P.check_norm_type(_UNITS, norm_type)
+    norm_type = P.check_norm_type(_UNITS, norm_type)
+    _check_units(_UNITS, tensors, units)
+    return tensors, units, norm_type
 
 
 def _units_fake(tensors, units, norm_type):
@@ -538,7 +539,6 @@ def _check_factors(factors: Tensor, units: list[int], device) -> None:
 
 
 def _uscale_run(tensors: list[Tensor], units: list[int], factors: Tensor) -> None:
-    _check_units(_USCALE, tensors, units)
     if not tensors:
         return
     plan = P.make_plan(_USCALE, "tensors", tensors, inplace=True, dense_ok=False)
@@ -547,12 +547,19 @@ def _uscale_run(tensors: list[Tensor], units: list[int], factors: Tensor) -> Non
     plan.finish_inplace(tensors)
 
 
+def _uscale_check(tensors, units, factors):
+    _check_units(_USCALE, tensors, units)
+    return tensors, units, factors
+
+
 def _uscale_fake(tensors, units, factors):
     _check_units(_USCALE, tensors, units)
     _check_factors(factors, units, _fake_device(_USCALE, "tensors", tensors))
 
 
-scale_units_op = _Op("scale_units_(Tensor(a!)[] tensors, int[] units, Tensor factors) -> ()", _uscale_run, _uscale_fake)
+scale_units_op = _Op(
+    "scale_units_(Tensor(a!)[] tensors, int[] units, Tensor factors) -> ()", _uscale_run, _uscale_fake, _uscale_check
+)
 
 # --- public wrappers ----------------------------------------------------------------------
 
