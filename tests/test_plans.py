@@ -16,6 +16,7 @@ import gc
 import math
 import random
 import weakref
+from itertools import pairwise
 from types import SimpleNamespace
 
 import pytest
@@ -204,7 +205,7 @@ def aliased(grads: list[torch.Tensor]) -> bool:
             extent = sum((n - 1) * st for n, st in zip(g.shape, g.stride(), strict=True)) + 1
             spans.append((g.data_ptr(), g.data_ptr() + extent * g.element_size()))
     spans.sort()
-    return any(a[1] > b[0] for a, b in zip(spans, spans[1:], strict=False))
+    return any(a[1] > b[0] for a, b in pairwise(spans))
 
 
 CHANGES = [
