@@ -179,7 +179,9 @@ class Launcher:
         """Whether ``key`` says exactly what ``compiled`` was specialized for (its source's
         signature, constants and divisibility attributes), so that later calls with this key may
         be launched directly."""
-        if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "src")):
+        if not hasattr(type(compiled), "run") or not all(
+            hasattr(compiled, a) for a in ("function", "packed_metadata", "src")
+        ):
             return False
         src = compiled.src
         signature, constants, attrs = (getattr(src, a, None) for a in ("signature", "constants", "attrs"))
@@ -232,9 +234,14 @@ _MISSING = object()
 
 
 def _hooks_unset() -> bool:
+    """Whether no launch hook is set: None, or (Triton 3.6-3.9) an empty ``HookChain``."""
     from triton import knobs
 
-    return knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
+    return _unset(knobs.runtime.launch_enter_hook) and _unset(knobs.runtime.launch_exit_hook)
+
+
+def _unset(hook) -> bool:
+    return hook is None or (type(hook).__name__ == "HookChain" and not getattr(hook, "calls", True))
 
 
 def launch(compiled, grid: int, packed: list, device: int) -> None:
