@@ -293,11 +293,10 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
     if not tensors:
         return _build(op, name, tensors, inplace, device, dense_ok)
     try:
-        if set(map(type, tensors)) <= _PLAIN:
-            sizes = list(map(_nbytes, tensors))
-            key = (inplace, len(tensors), sizes[0], sizes[-1])
+        if type(tensors[0]) in _PLAIN and type(tensors[-1]) in _PLAIN:
+            key = (inplace, len(tensors), tensors[0].nbytes, tensors[-1].nbytes)
             kept = _PLANS.get(key)
-            plan = _confirm(kept, tensors, sizes, device) if kept else None
+            plan = _confirm(kept, tensors, device) if kept else None
             if plan is not None:
                 if plan is not kept[0]:
                     if plan in kept:
@@ -313,17 +312,38 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
     return plan
 
 
-def _confirm(kept: list[Plan], tensors: list[Tensor], sizes: list[int], device) -> Plan | None:
+def _confirm(kept: list[Plan], tensors: list[Tensor], device) -> Plan | None:
     """The kept plan (of one key) that describes ``tensors``, moved to their addresses if they
-    moved, or None. ``sizes``: their sizes in bytes."""
-    dtypes = list(map(_dtype, tensors))
-    kinds = [p for p in kept if p.nbytes == sizes and p.dtypes == dtypes]
-    if not kinds or not all(map(_is_contiguous, tensors)):
-        return None
-    plan = kinds[0]
-    if plan.inplace and not torch.is_inference_mode_enabled():
-        deque(map(_version, tensors), maxlen=0)  # raises for an inference tensor: planned anew
-    addrs = list(map(_data_ptr, tensors))
+    moved, or None."""
+    global _PROBES
+    writing = kept[0].inplace and not torch.is_inference_mode_enabled()
+    if _PROBES is None:
+        _PROBES = _set_probes()
+    if _PROBES:
+        # One pass of the Rust core through torch's own getters: None, True (the same
+        # addresses) or the addresses.
+        for plan in kept:
+            found = plan.tensor_list.probe(tensors, writing)
+            if found is not None:
+                break
+        else:
+            return None
+        if found is True:
+            return _checked_devices(plan, tensors, device)
+        addrs = found
+        kinds = [p for p in kept if p.nbytes == plan.nbytes and p.dtypes == plan.dtypes]
+    else:
+        if not set(map(type, tensors)) <= _PLAIN:
+            return None
+        sizes = list(map(_nbytes, tensors))
+        dtypes = list(map(_dtype, tensors))
+        kinds = [p for p in kept if p.nbytes == sizes and p.dtypes == dtypes]
+        if not kinds or not all(map(_is_contiguous, tensors)):
+            return None
+        plan = kinds[0]
+        if writing:
+            deque(map(_version, tensors), maxlen=0)  # raises for an inference tensor: planned anew
+        addrs = list(map(_data_ptr, tensors))
     same = [p for p in kinds if p.addrs == addrs]
     if same:
         plan = same[0]
@@ -334,11 +354,31 @@ def _confirm(kept: list[Plan], tensors: list[Tensor], sizes: list[int], device) 
         if tensor_list is None:
             return None
         plan = plan.moved(addrs, tensor_list)
+    return _checked_devices(plan, tensors, device)
+
+
+def _checked_devices(plan: Plan, tensors: list[Tensor], device) -> Plan | None:
+    """``plan`` when the tensors without elements (whose addresses say nothing) are on its
+    device, and it is the call's ``device`` (when given); else None."""
     if plan.empty and any(tensors[i].device != plan.device for i in plan.empty):
         return None
     if device is not None and plan.device != device:
         return None
     return plan
+
+
+def _set_probes() -> bool:
+    """Hands the Rust core torch's attribute getters for :func:`_confirm` (False: a Python or
+    torch where they cannot be called directly; the probes are then C-level maps)."""
+    try:
+        return _rust().set_probes(
+            [Tensor.dtype, Tensor.nbytes, Tensor._version],
+            [Tensor.data_ptr, Tensor.is_contiguous],
+            list(DTYPE_CODES),
+            [Tensor, torch.nn.Parameter],
+        )
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def _device_index(device: torch.device) -> int:
@@ -556,3 +596,7 @@ def nonfinite_total_error(norm_type: float) -> RuntimeError:
         "this error and scale the gradients by the non-finite norm anyway, "
         "set `error_if_nonfinite=False`"
     )
+
+
+#: Whether the Rust core probes kept plans (see :func:`_set_probes`; None: not asked yet).
+_PROBES: bool | None = None

@@ -61,7 +61,7 @@ def default_out_dir() -> Path:
 def bench(args: argparse.Namespace, command: list[str] | None = None) -> int:
     """Run the benchmark described by parsed ``args``; returns the exit status (1 when a
     workload failed, its traceback printed and the others still reported)."""
-    from . import engine, report
+    from . import engine, host, report
 
     if args.reps is not None and args.reps < 1:
         raise BenchError(f"--reps must be at least 1, got {args.reps}")
@@ -78,8 +78,11 @@ def bench(args: argparse.Namespace, command: list[str] | None = None) -> int:
     date = datetime.now(timezone.utc)
     run = engine.run(device, workloads, reps)
 
+    host_summary = host.slopes(run.results)  # before the records: it adds each slope to them
     records = report.build_records(run, device, date)
     print(report.format_table(records))
+    if host_summary:
+        print("\n" + host_summary)
     tag = "-".join(args.workloads) if args.workloads else None
     out_dir = args.out if args.out is not None else default_out_dir()
     paths = report.write_files(out_dir, report.file_stem(device, date, tag), records, run, command or sys.argv)
