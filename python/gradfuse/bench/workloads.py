@@ -194,11 +194,12 @@ def available(device_type: str) -> list[Workload]:
 
 def select(device_type: str, patterns: list[str] | None) -> list[Workload]:
     """The workloads matching any pattern: a family name, a workload name, or a glob over
-    workload names (``clip_gpt2_*``). No patterns: all of them. Raises ``ValueError`` naming a
-    pattern that matches nothing on this device."""
+    workload names (``clip_gpt2_*``). No patterns: all of them but the ``host`` family (host time
+    per call, run on request: ``--workloads host``). Raises ``ValueError`` naming a pattern that
+    matches nothing on this device."""
     candidates = available(device_type)
     if not patterns:
-        return candidates
+        return [w for w in candidates if w.family != "host"]
     chosen: set[str] = set()
     for pattern in patterns:
         hits = [w.name for w in candidates if pattern in (w.family, "all") or fnmatch.fnmatchcase(w.name, pattern)]
