@@ -77,6 +77,9 @@ class Ptr:
         self.spec = ("*" + ty if ty else None, self.addr % DIVISIBILITY == 0, False)
 
 
+_I32_PLAIN = ("i32", False, False)
+
+
 def _arg_spec(param: _Param, arg) -> tuple:
     """``(triton type, divisible by 16, equal to 1)`` of one non-tensor runtime argument as
     Triton's JIT specializes it (``triton.runtime.jit.create_function_from_signature``)."""
@@ -109,6 +112,9 @@ class Launcher:
         # The interpreter's functions have no parameter list: it launches through the JIT alone.
         self.params = [] if INTERPRET else [_Param(kp) for kp in fn.params]
         self.runtime = [p for p in self.params if not p.constexpr]
+        #: Per declared parameter: (True, name) for a constexpr, (False, index among the runtime ones).
+        runtime_index = {id(p): i for i, p in enumerate(self.runtime)}
+        self.layout = [(True, p.name) if p.constexpr else (False, runtime_index[id(p)]) for p in self.params]
         #: key -> compiled kernel, or None: launched through the JIT (see :meth:`_checked`).
         self.compiled: dict[tuple, object] = {}
         #: Launches that went straight to the compiled kernel (for tests and benches).
@@ -120,27 +126,27 @@ class Launcher:
         divisible by 16 or equal to 1, as the JIT decides them: a pointer's alignment from its
         address) and every declared argument in order as the compiled kernel's launcher takes
         them (pointers as integers, constexpr slots with their values, which it skips)."""
+        if len(args) != len(self.runtime):
+            raise TypeError(f"{self.fn.__name__}: {len(args)} arguments for {len(self.runtime)} parameters")
         specs = []
-        packed = []
-        it = iter(args)
-        for p in self.params:
-            if p.constexpr:
-                packed.append(meta.get(p.name, _MISSING))
-                continue
-            a = next(it)
-            if type(a) is Ptr:
+        values = []
+        for p, a in zip(self.runtime, args, strict=True):
+            kind = type(a)
+            if kind is Ptr:
                 specs.append(a.spec)
-                packed.append(a.addr)
+                values.append(a.addr)
+            elif kind is int and not p.specialize and not p.annotation and -_I32 <= a < _I32:
+                specs.append(_I32_PLAIN)
+                values.append(a)
             elif isinstance(a, _Tensor):
                 addr = a.data_ptr()
                 ty = TRITON_TYPES.get(a.dtype)
                 specs.append(("*" + ty if ty else None, addr % DIVISIBILITY == 0, False))
-                packed.append(addr)
+                values.append(addr)
             else:
                 specs.append(_arg_spec(p, a))
-                packed.append(a)
-        if next(it, _MISSING) is not _MISSING:
-            raise TypeError(f"{self.fn.__name__}: {len(args)} arguments for {len(self.runtime)} parameters")
+                values.append(a)
+        packed = [meta.get(x, _MISSING) if constexpr else values[x] for constexpr, x in self.layout]
         return (device, tuple(meta.items()), tuple(specs)), packed
 
     def __call__(self, grid: int, args: tuple, meta: dict, device: int):
@@ -235,9 +241,19 @@ _MISSING = object()
 
 def _hooks_unset() -> bool:
     """Whether no launch hook is set: None, or (Triton 3.6-3.9) an empty ``HookChain``."""
-    from triton import knobs
+    runtime = _runtime_knobs()
+    return _unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook)
 
-    return _unset(knobs.runtime.launch_enter_hook) and _unset(knobs.runtime.launch_exit_hook)
+
+def _runtime_knobs():
+    if not _KNOBS:
+        from triton import knobs
+
+        _KNOBS.append(knobs.runtime)
+    return _KNOBS[0]
+
+
+_KNOBS: list = []
 
 
 def _unset(hook) -> bool:
