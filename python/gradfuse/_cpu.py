@@ -63,16 +63,17 @@ def _tensor_list(plan: Plan) -> _rust.TensorList:
 
 
 def _norm_into(plan: Plan, tl: _rust.TensorList, norm_type: float, per_tensor: bool):
+    """``(total, per-tensor norms or None, the total as a float)``."""
     out = plan.out_dtype
     total = torch.empty((), dtype=out)
-    per = torch.empty(len(plan) if per_tensor else 0, dtype=out)
-    value = _rust.norm(tl, norm_type, total.data_ptr(), per.data_ptr(), DTYPE_CODES[out])
+    per = torch.empty(len(plan), dtype=out) if per_tensor else None
+    value = _rust.norm(tl, norm_type, total.data_ptr(), per.data_ptr() if per_tensor else 0, DTYPE_CODES[out])
     return total, per, value
 
 
 def norm(plan: Plan, norm_type: float, per_tensor: bool):
     total, per, _ = _norm_into(plan, _tensor_list(plan), norm_type, per_tensor)
-    return total, per
+    return total, per if per_tensor else torch.empty(0, dtype=plan.out_dtype)
 
 
 def stats(plan: Plan, norm_type: float):

@@ -41,15 +41,27 @@ def _backend(device: torch.device):
         return _triton()
     if choice == "triton":
         return _triton()
-    from . import _cpu
-
-    return _cpu
+    return _cpu()
 
 
 def _triton():
-    from . import _triton
+    if not _BACKENDS["triton"]:
+        from . import _triton
 
-    return _triton
+        _BACKENDS["triton"].append(_triton)
+    return _BACKENDS["triton"][0]
+
+
+def _cpu():
+    if not _BACKENDS["cpu"]:
+        from . import _cpu
+
+        _BACKENDS["cpu"].append(_cpu)
+    return _BACKENDS["cpu"][0]
+
+
+#: The backend modules, imported on first use (the Triton one imports triton).
+_BACKENDS: dict[str, list] = {"cpu": [], "triton": []}
 
 
 # Sparse layouts get the same kernel so that they reach the plan, which rejects them with an
