@@ -452,10 +452,12 @@ class patch_torch:
     Patches are counted: torch stays patched while any patch object is in force, and the
     functions that were there before the first one come back when the last one is restored,
     whatever the order. A patch object can be used again (``with p:`` re-applies it), and
-    restoring one twice is harmless.
+    restoring one twice is harmless. The same object nests as distinct ones do: its ``with``
+    blocks are counted, and only the outermost one's exit restores it.
     """
 
     def __init__(self) -> None:
+        self._entries = 0  # ``with`` blocks of this object now open
         self.apply()
 
     @property
@@ -489,8 +491,14 @@ class patch_torch:
                 _SAVED.clear()
 
     def __enter__(self) -> patch_torch:
+        with _PATCH_LOCK:
+            self._entries += 1
         self.apply()
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.restore()
+        with _PATCH_LOCK:
+            self._entries -= 1
+            outermost = self._entries == 0
+        if outermost:
+            self.restore()
