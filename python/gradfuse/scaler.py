@@ -13,9 +13,14 @@ state dict saved by either loads into the other. Two things change:
   scale itself (torch's fused Adam, AdamW, SGD and Adagrad, which set
   ``_step_supports_amp_scaling``), nothing is written: one read-only pass gives the norm and
   ``found_inf``, the clip coefficient ``min(max_norm / (norm + 1e-6), 1)`` is computed on the
-  device, and ``step`` hands the optimizer ``grad_scale = scale / clip_coef``, which it
-  divides the gradients by as it reads them. Otherwise the gradients are unscaled and clipped
-  in place, in two passes (a read, then one write of ``grad * inv_scale * clip_coef``).
+  device, and the optimizer is handed ``grad_scale = scale / clip_coef`` and ``found_inf``
+  at once (the attributes torch's ``step`` hands over), which its own ``step()`` divides the
+  gradients by as it reads them, skipping the step on inf/NaN. A folded clip is never lost:
+  ``scaler.step(optimizer)`` and a direct ``optimizer.step()`` both apply it (a step
+  post-hook withdraws the attributes after that one step, and a second step is refused), and
+  ``update`` writes a fold that no step took into the gradients. Otherwise the gradients are
+  unscaled and clipped in place, in two passes (a read, then one write of
+  ``grad * inv_scale * clip_coef``).
   Gradients that a DDP with gradfuse's hook (``gradfuse.register_ddp_hook``) has just reduced
   were measured during backward: no read pass at all then (the norm is the hook's times
   ``inv_scale``, ``found_inf`` the hook's), and the write pass, if any, runs over DDP's buckets.
@@ -42,10 +47,12 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch.amp.grad_scaler import OptState
+from torch.utils.hooks import RemovableHandle
 
 from . import _plan as P
 from . import distributed as D
@@ -62,10 +69,31 @@ EPS = 1e-6  # torch's clip coefficient: max_norm / (total_norm + EPS)
 
 @dataclass
 class _Unscaled:
-    """What ``unscale_and_clip_`` leaves for ``step``."""
+    """What ``unscale_and_clip_`` leaves for ``step``.
+
+    A folded clip (``grad_scale`` set) is handed to the optimizer at once, as torch's scaler
+    hands ``grad_scale``/``found_inf`` over in ``step``, so that the optimizer's own ``step()``
+    applies it however it is called; a step post-hook (``handle``) withdraws them after that
+    step, and ``update`` applies a fold that no step took (:meth:`GradScaler.update`)."""
 
     found_inf: Tensor  # 0-d float32, 1.0 if any gradient held inf or NaN
     grad_scale: Tensor | None  # scale / clip_coef, for an optimizer that divides by it as it reads
+    optimizer: weakref.ref | None = None  # set with grad_scale
+    handle: RemovableHandle | None = None  # the step post-hook, while the fold is pending
+    via_scaler: bool = False  # inside GradScaler.step, whose torch part withdraws the attributes
+    stepped: bool = False  # an optimizer.step() called directly took the fold
+
+    @property
+    def pending(self) -> bool:
+        """A folded clip that no step has applied yet."""
+        return self.handle is not None
+
+
+def _withdraw(optimizer: torch.optim.Optimizer) -> None:
+    """Take back the ``grad_scale`` and ``found_inf`` handed to ``optimizer``."""
+    for name in ("grad_scale", "found_inf"):
+        if name in vars(optimizer):
+            delattr(optimizer, name)
 
 
 def _optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -256,7 +284,9 @@ class GradScaler(torch.amp.GradScaler):
         Call it once per optimizer between ``scale(loss).backward()`` and ``step``, in place of
         ``unscale_`` + ``clip_grad_norm_``. For an optimizer that takes ``grad_scale`` (fused
         Adam/AdamW/SGD/Adagrad) the gradients are only read here; the unscale and the clip are
-        applied by ``step``, inside the optimizer's own read. No host sync.
+        applied by the optimizer's next step, inside its own read, whether that is
+        ``scaler.step(optimizer)`` or ``optimizer.step()`` called directly (``update`` writes
+        them into the gradients if no step took them). No host sync.
 
         ``divisor`` (a number or a 0-d tensor, e.g. the step's token count on the device)
         divides the gradients as well, folded into the unscale factor at no extra pass: the
@@ -530,7 +560,7 @@ class GradScaler(torch.amp.GradScaler):
                 )
             if stage is OptState.STEPPED:
                 raise RuntimeError("unscale_and_clip_() is being called after step().")
-        elif id(optimizer) in self._unscaled:
+        elif (unscaled := self._unscaled.get(id(optimizer))) is not None and not unscaled.stepped:
             raise RuntimeError("unscale_and_clip_() has already been called on this optimizer since the last step().")
 
     def _record(self, optimizer, found_per_device: dict, grad_scale: Tensor | None) -> None:
@@ -540,34 +570,89 @@ class GradScaler(torch.amp.GradScaler):
             if len(found_per_device) == 1
             else torch.stack([f.to(first.device) for f in found_per_device.values()]).amax()
         )
-        self._unscaled[id(optimizer)] = _Unscaled(found, grad_scale)
+        unscaled = self._unscaled[id(optimizer)] = _Unscaled(found, grad_scale)
         if self._enabled:
             state = self._per_optimizer_states[id(optimizer)]
             state["found_inf_per_device"] = found_per_device
             state["stage"] = OptState.UNSCALED
+        if grad_scale is not None:
+            # Handed over now, as torch's step hands them over, so that the optimizer's own
+            # step() applies the unscale and the clip (and skips on inf/NaN) however it is
+            # called; found_inf is the tensor skip_step_ updates in place.
+            optimizer.grad_scale, optimizer.found_inf = grad_scale, found
+            unscaled.optimizer = weakref.ref(optimizer)
+            unscaled.handle = optimizer.register_step_post_hook(self._folded_step_taken)
+
+    def _folded_step_taken(self, optimizer, args, kwargs) -> None:
+        """The optimizer's step post-hook while a folded clip is pending: that step applied it.
+        Called directly (not from ``step``), the step leaves the attributes to us, and counts
+        as this optimizer's step (a second one would run on unclipped gradients)."""
+        unscaled = self._unscaled.get(id(optimizer))
+        if unscaled is None or unscaled.handle is None:
+            return
+        unscaled.handle.remove()
+        unscaled.handle = None
+        if unscaled.via_scaler:
+            return  # torch's GradScaler.step deletes grad_scale and found_inf itself
+        _withdraw(optimizer)
+        unscaled.stepped = True
+        if self._enabled:
+            self._per_optimizer_states[id(optimizer)]["stage"] = OptState.STEPPED
+
+    def _apply_pending(self, unscaled: _Unscaled) -> None:
+        """A folded clip that no step took, written into the gradients (one pass): they end as
+        torch's ``unscale_`` + ``clip_grad_norm_`` leave them, and nothing is handed over any more."""
+        unscaled.handle.remove()
+        unscaled.handle = None
+        optimizer = unscaled.optimizer()
+        if optimizer is None:
+            return
+        _withdraw(optimizer)
+        grads = [g.to_local() if D.is_dtensor(g) else g for g in _optimizer_grads(optimizer)]
+        with torch.no_grad():
+            _scale_in_place(grads, unscaled.grad_scale.double().reciprocal().float())
 
     # --- step, update ---------------------------------------------------------------------
 
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
         """As torch's ``step``; after ``unscale_and_clip_``, applies what it folded."""
-        unscaled = self._unscaled.pop(id(optimizer), None)
+        unscaled = self._unscaled.get(id(optimizer))
+        if unscaled is not None and unscaled.stepped:
+            raise RuntimeError(
+                "step(): optimizer.step() was already called after unscale_and_clip_() and applied its "
+                "unscale and clip; a second step would run on the unscaled, unclipped gradients"
+            )
         if self._enabled:
-            if unscaled is not None and unscaled.grad_scale is not None:
-                # torch's step passes optimizer.grad_scale on in the UNSCALED stage, then deletes it.
-                optimizer.grad_scale = unscaled.grad_scale
-            return super().step(optimizer, *args, **kwargs)
+            # torch's step passes optimizer.grad_scale (set by unscale_and_clip_) on in the
+            # UNSCALED stage, and deletes it and found_inf after the optimizer's step.
+            if unscaled is not None:
+                unscaled.via_scaler = True
+            try:
+                result = super().step(optimizer, *args, **kwargs)
+            finally:
+                if unscaled is not None:
+                    unscaled.via_scaler = False
+            self._unscaled.pop(id(optimizer), None)
+            return result
         if unscaled is None:
             return optimizer.step(*args, **kwargs)
         if unscaled.grad_scale is None:
             # Clipped in place; skip on inf/NaN as torch's scaler does (a host read, as torch's).
+            self._unscaled.pop(id(optimizer))
             return None if unscaled.found_inf.item() else optimizer.step(*args, **kwargs)
-        optimizer.grad_scale, optimizer.found_inf = unscaled.grad_scale, unscaled.found_inf
-        try:
-            return optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale, optimizer.found_inf
+        # Folded: grad_scale and found_inf are on the optimizer, whose step reads (and skips on)
+        # them; its post-hook withdraws them.
+        result = optimizer.step(*args, **kwargs)
+        self._unscaled.pop(id(optimizer), None)
+        return result
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
+        """As torch's ``update``. A clip that ``unscale_and_clip_`` folded and no step applied
+        (a step skipped by the caller) is written into the gradients first, so that they end
+        as torch's ``unscale_`` + ``clip_grad_norm_`` would leave them: never dropped."""
+        for unscaled in self._unscaled.values():
+            if unscaled.pending:
+                self._apply_pending(unscaled)
         self._unscaled.clear()
         super().update(new_scale)
 
