@@ -21,11 +21,14 @@ state dict saved by either loads into the other. Two things change:
   ``update`` writes a fold that no step took into the gradients. Otherwise the gradients are
   unscaled and clipped in place, in two passes (a read, then one write of
   ``grad * inv_scale * clip_coef``).
-  Gradients that a DDP with gradfuse's hook (``gradfuse.register_ddp_hook``) has just reduced
-  were measured during backward: no read pass at all then (the norm is the hook's times
-  ``inv_scale``, ``found_inf`` the hook's), and the write pass, if any, runs over DDP's buckets.
-  The same holds without clipping: ``step`` on such an optimizer takes the hook's ``found_inf``,
-  and ``unscale_`` runs over the buckets.
+  Gradients that a DDP with gradfuse's hook (``gradfuse.register_ddp_hook``) has reduced were
+  measured during backward; handed over, ``unscale_and_clip_(..., measured=state)`` (the
+  caller's promise that nothing touched them since: writes through ``.data``, NumPy views or
+  collectives move no version counter, so gradfuse cannot check it), that measurement replaces
+  the read pass (the norm is the hook's times ``inv_scale``, ``found_inf`` the hook's), and the
+  write pass, if any, runs over DDP's buckets; a visibly stale handover raises. Without it, and
+  in ``unscale_`` and ``step``'s inf check, the gradients are read (torch's answer); ``unscale_``
+  runs its pass over DDP's few buckets.
   DTensor gradients (FSDP2, tensor parallel) are read as their local shards, and one
   all-reduce gives every rank the total norm and the inf/NaN flag together, so that all ranks
   clip alike and skip alike; torch's fused AdamW takes DTensor parameters, and the clip is
@@ -57,7 +60,7 @@ from torch.utils.hooks import RemovableHandle
 from . import _plan as P
 from . import distributed as D
 from .clip import _TO_TORCH, _TORCHS, _check_all, _combine_totals, _fused_groups, _nonzero_counts, _run_fused
-from .ddp_hook import DDPHookState, state_for
+from .ddp_hook import DDPHookState, handed_over, state_for
 from .ops import check_max_norm, multi_tensor_scale_, unscale_and_check_, unscale_and_clip_, unscale_check_norm
 
 Tensor = torch.Tensor
@@ -247,12 +250,6 @@ class GradScaler(torch.amp.GradScaler):
         """For an optimizer that unscales as it reads: only check, in a read-only pass."""
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         grads = _optimizer_grads(optimizer)
-        hook = state_for(grads)
-        if hook is not None:  # checked during backward, by gradfuse's DDP hook
-            found = hook.found_inf().clone()  # torch's update() adds the other optimizers' flags into it
-            found = {found.device: found}
-            self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
-            return found
         groups = _fused_groups(grads, one_device=False) if grads else {}
         if groups is None:
             return super()._check_inf_per_device(optimizer)
@@ -275,6 +272,7 @@ class GradScaler(torch.amp.GradScaler):
         norm_type: float = 2.0,
         *,
         divisor: Tensor | float | None = None,
+        measured: DDPHookState | None = None,
     ) -> Tensor:
         """Unscale the optimizer's gradients, check them for inf/NaN, and clip them to
         ``max_norm`` (torch's rule: ``grad *= min(max_norm / (norm + 1e-6), 1)``); returns the
@@ -292,7 +290,18 @@ class GradScaler(torch.amp.GradScaler):
         divides the gradients as well, folded into the unscale factor at no extra pass: the
         norm, the clip and the step are those of ``grad / divisor``. As ``unscale_``, an
         enabled scaler refuses fp16 gradients (``ValueError``, nothing modified).
-        ``max_norm`` may also be a clipping policy (``gradfuse.clipping``: ZClip, AutoClip, AGC).
+        ``max_norm`` may also be a clipping policy (``gradfuse.clipping``: ZClip, AutoClip, AGC),
+        which reads the gradients itself (``measured`` is not used then).
+
+        ``measured``: the state :func:`gradfuse.register_ddp_hook` returned, handed over with
+        the promise that nothing touched the gradients since the last synchronised backward
+        (gradfuse cannot check it: ``.data``, NumPy and collective writes move no version
+        counter). The norm and ``found_inf`` the hook measured during backward then replace the
+        read pass: with a fused optimizer nothing reads the gradients before its step. The
+        optimizer must hold all of the DDP model's gradients, in the hook's ``norm_type``; a
+        handover that is visibly stale (other gradient tensors, or ones modified in place since
+        backward) raises ``RuntimeError`` and changes nothing. Where that backward left no
+        measurement (see ``DDPHookState.total_norm``), the gradients are read.
         """
         op = "GradScaler.unscale_and_clip_"
         if hasattr(max_norm, "clip_grads_"):  # a clipping policy (gradfuse.clipping, gradfuse.agc)
@@ -303,7 +312,7 @@ class GradScaler(torch.amp.GradScaler):
         grads = _optimizer_grads(optimizer)
         if self._enabled:
             _refuse_fp16(grads)
-        hook = state_for(grads, norm_type)
+        hook = None if measured is None else handed_over(measured, grads, norm_type, op)
         if hook is not None:  # plain tensors on one device, measured during backward
             scale, inv_scale = self._scales(hook.total_norm().device, divisor)
             return self._clip_from_hook(optimizer, hook, scale, inv_scale, max_norm)
@@ -356,10 +365,11 @@ class GradScaler(torch.amp.GradScaler):
     def _clip_from_hook(
         self, optimizer, hook: DDPHookState, scale: Tensor, inv_scale: Tensor, max_norm: float
     ) -> Tensor:
-        """The gradients are those a DDP with gradfuse's hook has just reduced, and the hook has
-        measured them during backward: no pass over them here. The unscaled norm is the hook's
-        norm times ``inv_scale``; ``found_inf`` is the hook's. A fused optimizer then divides by
-        ``scale / clip_coef`` as it reads; otherwise one write pass over DDP's bucket buffers."""
+        """The gradients are those a DDP with gradfuse's hook has just reduced, and the hook,
+        handed over (``measured=``), measured them during backward: no pass over them here. The
+        unscaled norm is the hook's norm times ``inv_scale``; ``found_inf`` is the hook's. A
+        fused optimizer then divides by ``scale / clip_coef`` as it reads; otherwise one write
+        pass over DDP's bucket buffers."""
         found = hook.found_inf().clone()  # torch's update() adds the other optimizers' flags into it
         with torch.no_grad():
             # Order 0 counts the non-zero gradients: a count that no scale changes.
