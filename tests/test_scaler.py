@@ -382,8 +382,9 @@ def test_a_folded_clip_no_step_took_is_written_by_update(enabled):
 
 
 def test_a_second_step_after_a_direct_one_is_refused_and_a_new_iteration_works():
-    """After ``unscale_and_clip_`` + ``opt.step()``, ``scaler.step(opt)`` would step again on the
-    raw gradients: refused with a clear error. With a disabled scaler (no ``update()`` needed),
+    """After ``unscale_and_clip_`` + ``opt.step()``, ``scaler.step(opt)`` or ``opt.step()`` would
+    step again on the raw gradients: refused with a clear error. With a disabled scaler (no
+    ``update()`` needed),
     the next iteration's ``unscale_and_clip_`` + ``opt.step()`` works, and its clip is its own."""
     for enabled in (True, False):
         kwargs = dict(init_scale=2.0**4) if enabled else dict(enabled=False)
@@ -400,8 +401,32 @@ def test_a_second_step_after_a_direct_one_is_refused_and_a_new_iteration_works()
             before = [p.detach().clone() for p in pair.models[1].parameters()]
             with pytest.raises(RuntimeError, match="already"):
                 g_scaler.step(g_opt)
+            with pytest.raises(RuntimeError, match="no backward since the last step"):
+                g_opt.step()  # torch would step on its clipped gradients again; these are raw
             assert all(torch.equal(a, b) for a, b in zip(before, pair.models[1].parameters(), strict=True))
             if enabled:
                 t_scaler.update()
                 g_scaler.update()
             pair.assert_same()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_direct_step_after_scaler_step_of_a_fold_is_refused_until_the_next_backward(enabled):
+    """``scaler.step(opt)`` applied the fold; an ``opt.step()`` before the next backward would run
+    on the still scaled, unclipped gradients (torch's ``unscale_`` pattern would repeat its
+    clipped step): refused, nothing changed. After a backward, steps are the caller's again."""
+    kwargs = dict(init_scale=2.0**8) if enabled else dict(enabled=False)
+    pair = Pair("cpu", "adamw_fused", **kwargs)
+    opt, scaler, model = pair.opts[1], pair.scalers[1], pair.models[1]
+    pair.backward(torch.randn(16, 8) * 4)
+    scaler.unscale_and_clip_(opt, 0.5)
+    scaler.step(opt)
+    scaler.update()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="no backward since the last step"):
+        opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    opt.step()  # refused once, then the caller's decision (torch's rules)
+    opt.zero_grad()
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()  # a plain step on fresh gradients: not refused

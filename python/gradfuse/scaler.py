@@ -99,6 +99,29 @@ def _withdraw(optimizer: torch.optim.Optimizer) -> None:
             delattr(optimizer, name)
 
 
+def _refuse_a_second_step(optimizer: torch.optim.Optimizer) -> None:
+    """After a step that applied a folded clip, the gradients are still scaled and unclipped:
+    a further ``optimizer.step()`` before any backward (the first gradient the same tensor, its
+    version counter unmoved) raises instead of stepping on them, where torch's ``unscale_`` +
+    clip would step on the same clipped gradients again. One check, at the next step only."""
+    param = next((p for group in optimizer.param_groups for p in group["params"] if p.grad is not None), None)
+    if param is None:
+        return
+    param_ref, grad_ref, version = weakref.ref(param), weakref.ref(param.grad), param.grad._version
+
+    def check(optimizer, args, kwargs) -> None:
+        handle.remove()
+        param, grad = param_ref(), grad_ref()
+        if param is not None and grad is not None and param.grad is grad and grad._version == version:
+            raise RuntimeError(
+                "optimizer.step(): no backward since the last step, which applied the unscale and clip that "
+                "GradScaler.unscale_and_clip_() folded into it; the gradients are still scaled and unclipped. "
+                "Call unscale_and_clip_() (and step once) after each backward"
+            )
+
+    handle = optimizer.register_step_pre_hook(check)
+
+
 def _optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
 
@@ -602,6 +625,7 @@ class GradScaler(torch.amp.GradScaler):
             return
         unscaled.handle.remove()
         unscaled.handle = None
+        _refuse_a_second_step(optimizer)
         if unscaled.via_scaler:
             return  # torch's GradScaler.step deletes grad_scale and found_inf itself
         _withdraw(optimizer)
