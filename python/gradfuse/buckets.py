@@ -208,12 +208,13 @@ class GradBuckets:
 
     ``params``: tensors on one device, or a ``Module`` (its parameters; :meth:`refresh` then
     takes the module's parameters as they are at that time); those that do not require grad
-    are skipped (as DDP does) and brought in by :meth:`refresh` once they do. ``bucket_cap_mb``: the bucket size
-    cap. ``grad_dtype``: the dtype gradients accumulate in; a parameter of another dtype gets
-    its gradient in ``param.main_grad`` (``param.grad`` is freed). ``main_grad`` is cleared by
-    :meth:`zero_grad` alone, not by ``optimizer.zero_grad()`` (Megatron's ``zero_grad_buffer``
-    convention): a backward after an optimizer step without ``buckets.zero_grad()`` in between
-    warns, since it adds to the last step's gradients.
+    are skipped (as DDP does) and brought in by :meth:`refresh` once they do.
+    ``bucket_cap_mb``: the bucket size cap. ``grad_dtype``: the dtype gradients accumulate
+    in; a parameter of another dtype gets its gradient in ``param.main_grad`` (``param.grad``
+    is freed). ``main_grad`` is cleared by :meth:`zero_grad` alone, not by
+    ``optimizer.zero_grad()`` (Megatron's ``zero_grad_buffer`` convention): a backward after
+    an optimizer step without ``buckets.zero_grad()`` in between warns, since it adds to the
+    last step's gradients.
 
     A parameter belongs to one ``GradBuckets`` at a time (:meth:`remove` the first).
     ``process_group=`` is gone: data parallelism runs on ``DistributedDataParallel`` with
