@@ -23,8 +23,11 @@ REF_RTOL = 2e-6  # gradfuse's fp32-accurate norm against the float64 reference (
 
 
 @pytest.fixture(autouse=True)
-def rust_backend(monkeypatch):
-    monkeypatch.setenv("GRADFUSE_BACKEND", "rust")
+def rust_backend(request, monkeypatch):
+    # The CPU tests on the Rust core; a test that moves the model to CUDA keeps the default
+    # backend ("auto": Triton there), since GRADFUSE_BACKEND=rust refuses CUDA tensors.
+    if request.node.get_closest_marker("cuda") is None:
+        monkeypatch.setenv("GRADFUSE_BACKEND", "rust")
 
 
 class Net(nn.Module):

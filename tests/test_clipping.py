@@ -14,6 +14,7 @@ feeding ``clip_coef`` the reference's norms.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 
@@ -24,6 +25,7 @@ from zclip import ZClip as ReferenceZClip
 
 import gradfuse
 from gradfuse.clipping import AutoClip, NormClip, ZClip, make_policy
+from process_state import sync_debug_mode
 
 RTOL = 1e-5
 SPIKES = (9, 14, 15, 23)
@@ -273,11 +275,8 @@ def test_cuda_policies_run_without_a_host_sync():
             set_grads(on_gpu, [g.cuda() for g in grads])
             if k:
                 torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-            try:
+            with sync_debug_mode("error") if k else contextlib.nullcontext():
                 gradfuse.clip_grad_norm_(on_gpu.parameters(), policy)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
             gradfuse.clip_grad_norm_(on_cpu.parameters(), ref)
             for p, q in zip(on_gpu.parameters(), on_cpu.parameters(), strict=True):
                 torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=RTOL, atol=0)
