@@ -475,6 +475,7 @@ def test_torch_compile_fullgraph():
 # --- sizes and code generation -----------------------------------------------------------
 
 
+@pytest.mark.serial  # 4 GiB and more, and its skip reads the free memory, which other workers change
 def test_tensors_over_two_to_the_31_elements():
     """64-bit offsets: a bf16 tensor of 2^31 + 7 elements (4 GiB) measured, scaled, unscaled."""
     n = 2**31 + 7
@@ -593,6 +594,7 @@ def one_rank_group(request, tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.serial  # a process group (NCCL, gloo) per run
 def test_ddp_hook_on_cuda_matches_ddp_and_folds_the_clip(one_rank_group):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
