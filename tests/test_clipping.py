@@ -26,6 +26,7 @@ from zclip import ZClip as ReferenceZClip
 import gradfuse
 from gradfuse.clipping import AutoClip, NormClip, ZClip, make_policy
 from process_state import sync_debug_mode
+from reference import SPARSE_NORM_ERROR, TORCH_MEASURES_SPARSE
 
 RTOL = 1e-5
 SPIKES = (9, 14, 15, 23)
@@ -294,6 +295,17 @@ def test_sparse_gradients_go_to_torch_with_a_policy(enabled):
         (scaler.scale(loss) if via_scaler else loss).backward()
         unscale = scaler.get_scale() if via_scaler and enabled else 1.0
         want = torch.linalg.vector_norm(emb.weight.grad.to_dense()) / unscale
+        if not TORCH_MEASURES_SPARSE:
+            # torch's answer is its error (torch 2.11): as torch's scaler.unscale_ then a failing
+            # clip_grad_norm_, the gradients are left unscaled (exactly: a power of 2) and not clipped.
+            before = emb.weight.grad.to_dense() / unscale
+            with pytest.raises(NotImplementedError, match=SPARSE_NORM_ERROR):
+                if via_scaler:
+                    scaler.unscale_and_clip_(torch.optim.SGD(emb.parameters(), lr=0.1), NormClip(0.5))
+                else:
+                    gradfuse.clip_grad_norm_(emb.parameters(), NormClip(0.5))
+            assert emb.weight.grad.is_sparse and torch.equal(emb.weight.grad.to_dense(), before)
+            continue
         if via_scaler:
             opt = torch.optim.SGD(emb.parameters(), lr=0.1)
             total = scaler.unscale_and_clip_(opt, NormClip(0.5))
