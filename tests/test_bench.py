@@ -299,7 +299,6 @@ def test_a_run_stopped_part_way_keeps_the_records_of_the_workloads_it_finished(t
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md"]  # no chart, no temporary file
 
 
-
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
