@@ -16,15 +16,18 @@ import torch
 from torch import nn
 
 import gradfuse
-from reference import close, ref_norms
+from reference import SPARSE_NORM_ERROR, TORCH_MEASURES_SPARSE, close, ref_norms
 
 RTOL = 1e-5  # fp32 sums of ~2000 squares in a different order
 REF_RTOL = 2e-6  # gradfuse's fp32-accurate norm against the float64 reference (see reference.py)
 
 
 @pytest.fixture(autouse=True)
-def rust_backend(monkeypatch):
-    monkeypatch.setenv("GRADFUSE_BACKEND", "rust")
+def rust_backend(request, monkeypatch):
+    # The CPU tests on the Rust core; a test that moves the model to CUDA keeps the default
+    # backend ("auto": Triton there), since GRADFUSE_BACKEND=rust refuses CUDA tensors.
+    if request.node.get_closest_marker("cuda") is None:
+        monkeypatch.setenv("GRADFUSE_BACKEND", "rust")
 
 
 class Net(nn.Module):
@@ -354,6 +357,14 @@ def test_sparse_gradients_stay_sparse_and_are_measured_and_clipped():
         theirs(ids).backward()
     assert ours.emb.weight.grad.is_sparse
     assert_grads_equal(ours, theirs)
+    if not TORCH_MEASURES_SPARSE:  # torch's answer is its error (torch 2.11), and nothing is modified
+        for measure in (lambda: buckets.get_total_norm(), lambda: buckets.clip_grad_norm_(1e-3)):
+            with pytest.raises(NotImplementedError, match=SPARSE_NORM_ERROR):
+                measure()
+        with pytest.raises(NotImplementedError, match=SPARSE_NORM_ERROR):
+            torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1e-3)
+        assert_grads_equal(ours, theirs)
+        return
     for norm_type in (2.0, math.inf, 1.0):
         want = torch.nn.utils.get_total_norm([p.grad for p in theirs.parameters()], norm_type)
         torch.testing.assert_close(buckets.get_total_norm(norm_type), want, rtol=RTOL, atol=0)
