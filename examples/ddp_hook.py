@@ -6,7 +6,8 @@ hook, on CPU (gloo) or GPUs (NCCL).
 Each rank trains the same small model on its own batches. DDP averages the gradients across
 ranks while backward runs; gradfuse's hook follows each bucket's all-reduce with one fused pass
 that also measures its norm and checks it for inf/NaN, so when backward returns the norm is
-already on the device. The scaler's unscale_and_clip_ takes it from there without reading the
+already on the device. Handed to the scaler's unscale_and_clip_ (measured=hook: nothing
+touches the gradients between backward and the clip), it is used instead of reading the
 gradients again, and with a fused optimizer the clip is folded into the optimizer's own read.
 Accumulation micro-steps skip communication with DDP's no_sync().
 """
@@ -47,7 +48,8 @@ def main() -> None:
             last = micro == ACCUM_STEPS - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
                 loss.backward()  # the last one returns with every gradient averaged and measured
-        grad_norm = scaler.unscale_and_clip_(optimizer, max_norm=1.0)  # the hook's norm: no pass
+        # The hook's norm, handed over: no pass (only because nothing touched the grads since backward).
+        grad_norm = scaler.unscale_and_clip_(optimizer, max_norm=1.0, measured=hook)
         scaler.step(optimizer)  # the clip folded into fused AdamW's read
         scaler.update()
         if rank == 0 and step % 5 == 4:

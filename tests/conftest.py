@@ -11,6 +11,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+import process_state
+
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -29,6 +31,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored():
+    """What a test sets for the whole process (environment variables such as GRADFUSE_BACKEND,
+    the default device, SIGINT/SIGTERM handlers, CUDA's sync debug mode) is back as it was after
+    the test, even when the test failed or the setter raised half way; a test that left any of
+    it changed fails its teardown, naming what (process_state.py)."""
+    before = process_state.snapshot()
+    yield
+    changed = process_state.restore(before)
+    if changed:
+        pytest.fail("the test left process state changed (now restored): " + "; ".join(changed), pytrace=False)
 
 
 @pytest.fixture(autouse=True)

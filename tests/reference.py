@@ -15,6 +15,7 @@ Tolerances, and why:
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -36,6 +37,24 @@ ACCUMULATE_PAIRS = [
 ]
 # Sizes around the Rust core's boundaries: 16 lanes, 256-element blocks, 32768-element segments.
 EDGE_SIZES = (1, 15, 16, 17, 255, 256, 257, 32767, 32768, 32769)
+
+
+def _torch_measures_sparse() -> bool:
+    """Whether this torch's ``clip_grad_norm_`` measures sparse gradients: torch 2.11's
+    ``linalg.vector_norm`` has no sparse kernel (NotImplementedError), later versions have one.
+    gradfuse hands sparse gradients to torch, so its answer is torch's either way."""
+    try:
+        with warnings.catch_warnings():  # torch 2.11 warns here that invariant checks are off
+            warnings.simplefilter("ignore")
+            torch.nn.utils.get_total_norm([torch.sparse_coo_tensor([[0]], [1.0], (2,), check_invariants=True)])
+    except NotImplementedError:
+        return False
+    return True
+
+
+#: See _torch_measures_sparse; where False, torch's answer to a sparse gradient is its error.
+TORCH_MEASURES_SPARSE = _torch_measures_sparse()
+SPARSE_NORM_ERROR = "linalg_vector_norm"  # what torch 2.11's NotImplementedError names
 
 
 def rtol_for(dtypes) -> float:

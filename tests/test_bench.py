@@ -86,7 +86,7 @@ def test_quick_run_writes_one_json_and_one_markdown_file(quick_run):
     assert names == [".json", ".md", ".png"]  # the chart of speedups (matplotlib is a dependency)
     (json_path,) = out.glob("*.json")
     assert json_path.name.startswith("cpu_") and "_quick" in json_path.name
-    assert doc["schema"] == 1 and doc["failures"] == []
+    assert doc["schema"] == 1 and doc["failures"] == [] and doc["complete"] is True
     md = next(out.glob("*.md")).read_text()
     table = proc.stdout
     for name in CPU_WORKLOADS:
@@ -271,6 +271,32 @@ def test_wrong_accumulation_is_caught(monkeypatch):
 
 
 # --- the command line ---------------------------------------------------------------------
+
+
+def test_a_run_stopped_part_way_keeps_the_records_of_the_workloads_it_finished(tmp_path, monkeypatch):
+    """The files are written after each workload: a run stopped by a time limit (here an
+    interrupt at the second workload) leaves the first one's records, marked incomplete."""
+    real = engine.run_workload
+
+    def stopped_at_the_second(workload, device, reps):
+        if workload.name == "clip_gpt2_fp32_inactive":
+            raise KeyboardInterrupt  # where a time limit's signal lands
+        return real(workload, device, reps)
+
+    monkeypatch.setattr(engine, "run_workload", stopped_at_the_second)
+    workloads = ["clip_gpt2_fp32_active", "clip_gpt2_fp32_inactive"]
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "--device", "cpu", "--quick", "--workloads", *workloads, "--out", str(tmp_path)])
+    (json_path,) = tmp_path.glob("*.json")
+    doc = json.loads(json_path.read_text())
+    assert doc["complete"] is False and doc["failures"] == []
+    assert {(r["workload"], r["impl"]) for r in doc["records"]} == {
+        ("copy", "torch"),
+        ("clip_gpt2_fp32_active", "torch"),
+        ("clip_gpt2_fp32_active", "gradfuse"),
+    }
+    assert "clip_gpt2_fp32_active" in json_path.with_suffix(".md").read_text()
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md"]  # no chart, no temporary file
 
 
 def test_version(capsys):

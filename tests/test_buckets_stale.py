@@ -16,15 +16,18 @@ import torch
 from torch import nn
 
 import gradfuse
-from reference import close, ref_norms
+from reference import SPARSE_NORM_ERROR, TORCH_MEASURES_SPARSE, close, ref_norms
 
 RTOL = 1e-5  # fp32 sums of ~2000 squares in a different order
 REF_RTOL = 2e-6  # gradfuse's fp32-accurate norm against the float64 reference (see reference.py)
 
 
 @pytest.fixture(autouse=True)
-def rust_backend(monkeypatch):
-    monkeypatch.setenv("GRADFUSE_BACKEND", "rust")
+def rust_backend(request, monkeypatch):
+    # The CPU tests on the Rust core; a test that moves the model to CUDA keeps the default
+    # backend ("auto": Triton there), since GRADFUSE_BACKEND=rust refuses CUDA tensors.
+    if request.node.get_closest_marker("cuda") is None:
+        monkeypatch.setenv("GRADFUSE_BACKEND", "rust")
 
 
 class Net(nn.Module):
@@ -354,6 +357,14 @@ def test_sparse_gradients_stay_sparse_and_are_measured_and_clipped():
         theirs(ids).backward()
     assert ours.emb.weight.grad.is_sparse
     assert_grads_equal(ours, theirs)
+    if not TORCH_MEASURES_SPARSE:  # torch's answer is its error (torch 2.11), and nothing is modified
+        for measure in (lambda: buckets.get_total_norm(), lambda: buckets.clip_grad_norm_(1e-3)):
+            with pytest.raises(NotImplementedError, match=SPARSE_NORM_ERROR):
+                measure()
+        with pytest.raises(NotImplementedError, match=SPARSE_NORM_ERROR):
+            torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1e-3)
+        assert_grads_equal(ours, theirs)
+        return
     for norm_type in (2.0, math.inf, 1.0):
         want = torch.nn.utils.get_total_norm([p.grad for p in theirs.parameters()], norm_type)
         torch.testing.assert_close(buckets.get_total_norm(norm_type), want, rtol=RTOL, atol=0)
@@ -597,3 +608,192 @@ def test_refresh_refuses_parameters_it_cannot_plan_and_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(buckets.buffers, before[0], strict=True))
     assert all(p.grad is g for p, g in zip(ours.parameters(), before[1], strict=True))
     assert len(buckets.params) == 4
+
+
+# --- parameters replaced after construction (issue 21.2) ------------------------------------------
+
+
+def _replace(model, how: str, seed: int = 7) -> None:
+    """A new ``fc2.weight`` (the same values in every model given the same seed), or for
+    ``load_state_dict_assign`` a new parameter for every entry."""
+    gen = torch.Generator().manual_seed(seed)
+    if how == "load_state_dict_assign":
+        sd = {k: torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in model.state_dict().items()}
+        model.load_state_dict(sd, assign=True)
+        return
+    new = nn.Parameter(torch.randn(model.fc2.weight.shape, generator=gen).to(model.fc2.weight.dtype))
+    if how == "setattr":
+        model.fc2.weight = new
+    else:
+        model.fc2.register_parameter("weight", new)
+
+
+REPLACEMENTS = ["setattr", "register_parameter", "load_state_dict_assign"]
+
+
+@pytest.mark.parametrize("how", REPLACEMENTS)
+@pytest.mark.parametrize("built_from", ["params", "module"])
+def test_a_replaced_parameter_raises_until_refresh_then_gives_torchs_answer(how, built_from):
+    """Before the fix: ``buckets.clip_grad_norm_`` gave the old parameters' norm (0.0, or 0.512
+    where torch gives 0.631) and left the new gradients unclipped, and ``refresh()`` did not
+    help. Now the methods raise naming ``refresh()`` (nothing modified), the drop-in over
+    ``model.parameters()`` is torch's meanwhile, and after ``refresh()`` the buckets hold the
+    model's parameters as they are now: torch's norm and clip, gradients carried over and
+    every gradient a bucket view from the next backward on."""
+    ours, theirs = pair()
+    buckets = gradfuse.GradBuckets(ours if built_from == "module" else ours.parameters(), bucket_cap_mb=0.001)
+    x = inputs()
+    backward(ours, x)
+    _replace(ours, how)
+    _replace(theirs, how)
+    ours.zero_grad(set_to_none=True)  # as an optimizer over the new parameters would
+    theirs.zero_grad(set_to_none=True)
+    backward(ours, x, scale=50.0)
+    backward(theirs, x, scale=50.0)
+    assert_grads_equal(ours, theirs)
+    before = [p.grad.clone() for p in ours.parameters() if p.grad is not None]
+    for call in (lambda: buckets.clip_grad_norm_(0.1), buckets.get_total_norm, buckets.zero_grad):
+        with pytest.raises(RuntimeError, match=r"replaced in its module .* Call buckets\.refresh\(\)"):
+            call()
+    after = [p.grad for p in ours.parameters() if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))  # nothing modified
+    # The drop-in over the model's parameters reads what the model has: torch's answer.
+    total = gradfuse.clip_grad_norm_(ours.parameters(), 0.1)
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1)
+    assert want.item() > 0.1
+    torch.testing.assert_close(total, want, rtol=RTOL, atol=0)
+    assert_grads_equal(ours, theirs, exact=False)
+    # refresh(): the parameters the model has now, their gradients carried into the buckets.
+    buckets.refresh()
+    assert {id(p) for p in buckets.params} == {id(p) for p in ours.parameters()}
+    assert all_in_buckets(buckets, ours)
+    assert close(buckets.get_total_norm().item(), ref_norm(theirs), REF_RTOL)
+    backward(ours, x, scale=50.0)
+    backward(theirs, x, scale=50.0)
+    assert all_in_buckets(buckets, ours)
+    total = buckets.clip_grad_norm_(0.1)
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1)
+    torch.testing.assert_close(total, want, rtol=RTOL, atol=0)
+    assert_grads_equal(ours, theirs, exact=False)
+    buckets.zero_grad()
+    assert all(p.grad is None for p in ours.parameters())
+
+
+def test_an_optimizer_step_over_new_parameters_after_refresh_matches_torch():
+    """The issue's loop: buckets built, a checkpoint loaded with ``assign=True``, an optimizer
+    made over the new parameters, refresh(), then training with the buckets' clip; every
+    step's weights as torch's."""
+    ours, theirs = pair()
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    _replace(ours, "load_state_dict_assign", seed=3)
+    _replace(theirs, "load_state_dict_assign", seed=3)
+    buckets.refresh()
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.1)
+    opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    for step in range(3):
+        buckets.zero_grad()
+        opt_theirs.zero_grad()
+        x = inputs(seed=10 + step)
+        backward(ours, x, scale=20.0)
+        backward(theirs, x, scale=20.0)
+        total = buckets.clip_grad_norm_(0.5)
+        want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5)
+        torch.testing.assert_close(total, want, rtol=RTOL, atol=0)
+        opt_ours.step()
+        opt_theirs.step()
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=RTOL, atol=1e-7)
+
+
+def test_main_grad_parameter_replaced_then_refreshed():
+    """A bf16 model with fp32 ``main_grad``: a replaced parameter raises until ``refresh()``,
+    which gives the new one its ``main_grad`` view; the norm is then the float64 reference's
+    (torch's own bf16 norm has three digits)."""
+    torch.manual_seed(0)
+    model = Net().bfloat16()
+    buckets = gradfuse.GradBuckets(model.parameters(), grad_dtype=torch.float32)
+    _replace(model, "setattr")
+    x = inputs(dtype=torch.bfloat16)
+    backward(model, x)
+    with pytest.raises(RuntimeError, match=r"params\[2\] .* replaced"):
+        buckets.clip_grad_norm_(1.0)
+    new_grad = model.fc2.weight.grad.clone()  # outside the buckets: no main_grad yet
+    assert not hasattr(model.fc2.weight, "main_grad")
+    buckets.refresh()
+    assert torch.equal(model.fc2.weight.main_grad, new_grad.float()) and model.fc2.weight.grad is None
+    grads = [p.main_grad for p in model.parameters() if p.requires_grad]
+    want = ref_norms(grads, 2.0)[0]
+    assert close(buckets.get_total_norm().item(), want, REF_RTOL)
+
+
+def test_refresh_with_parameters_given():
+    """``refresh(params)`` plans exactly those: a parameter the hook cannot see (set through
+    ``_parameters``) and one left out."""
+    ours, theirs = pair()
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    with torch.no_grad():
+        new = nn.Parameter(ours.fc1.weight.detach() * 2)
+    ours.fc1._parameters["weight"] = new  # no registration hook fires: not noticed
+    theirs.fc1._parameters["weight"] = nn.Parameter(new.detach().clone())
+    buckets.refresh([p for n, p in ours.named_parameters() if not n.startswith("side")])
+    assert any(p is new for p in buckets.params) and len(buckets.params) == 4
+    x = inputs()
+    backward(ours, x)
+    backward(theirs, x)
+    want = torch.nn.utils.get_total_norm([q.grad for n, q in theirs.named_parameters() if not n.startswith("side")])
+    torch.testing.assert_close(buckets.get_total_norm(), want, rtol=RTOL, atol=0)
+    # The left-out parameters may go into another GradBuckets now; the kept ones may not.
+    other = gradfuse.GradBuckets(ours.side.parameters())
+    with pytest.raises(ValueError, match="already has its gradient in another GradBuckets"):
+        gradfuse.GradBuckets([ours.fc2.bias])
+    del other
+
+
+def test_a_module_built_buckets_refresh_takes_new_submodules_too():
+    ours, theirs = pair()
+    buckets = gradfuse.GradBuckets(ours)
+    for model in (ours, theirs):
+        torch.manual_seed(5)
+        model.extra = nn.Linear(5, 5)  # registered afresh: nothing replaced, refresh() picks it up
+    buckets.refresh()
+    assert len(buckets.params) == len(list(ours.parameters())) == 8
+    x = inputs()
+    for model in (ours, theirs):
+        (model(x).square().mean() + model.extra(model(x)).square().mean()).backward()
+    assert all_in_buckets(buckets, ours)
+    torch.testing.assert_close(buckets.get_total_norm(), torch_norm(theirs), rtol=RTOL, atol=0)
+
+
+def test_registering_the_same_parameter_again_is_no_replacement():
+    ours, _ = pair()
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    ours.fc2.weight = ours.fc2.weight
+    ours.fc2.register_parameter("bias", ours.fc2.bias)
+    backward(ours, inputs())
+    assert close(buckets.get_total_norm().item(), ref_norm(ours), REF_RTOL)
+
+
+def test_the_watch_holds_no_buckets_and_refresh_lets_replaced_parameters_go():
+    """torch's registration hook is global and outlives every GradBuckets: it holds none of
+    them (one removed from its parameters' hooks is collected, and replacing a parameter
+    afterwards is harmless), and after ``refresh()`` a replaced parameter is no longer kept
+    alive by the buckets."""
+    import gc
+    import weakref
+
+    ours, _ = pair()
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    gone = weakref.ref(buckets)
+    buckets.remove()  # the parameters' own hooks hold a live GradBuckets; nothing else does
+    del buckets
+    gc.collect()
+    assert gone() is None
+    _replace(ours, "setattr")  # no owner any more: nothing to note, nothing raised
+
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    old = weakref.ref(ours.fc2.weight)
+    _replace(ours, "setattr", seed=8)
+    buckets.refresh()
+    gc.collect()
+    assert old() is None
+    assert any(p is ours.fc2.weight for p in buckets.params)

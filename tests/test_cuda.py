@@ -19,6 +19,7 @@ import copy
 import math
 import re
 import struct
+import warnings
 
 import pytest
 import torch
@@ -27,6 +28,8 @@ import gradfuse
 from gradfuse import _rust
 from gradfuse._plan import DTYPE_CODES
 from gradfuse.kernels import _chunk_table as ct
+from op_cases import opcheck_cases, registered_ops
+from process_state import sync_debug_mode
 from reference import (
     ACCUMULATE_PAIRS,
     FLOAT_DTYPES,
@@ -75,19 +78,19 @@ def default_backend(monkeypatch):
     monkeypatch.setattr(ct, "FBLOCK", 1024)
 
 
-def rand(shape, dtype, scale=1.0):
-    return (torch.randn(shape, dtype=torch.float64, device=DEVICE) * scale).to(dtype)
+def rand(shape, dtype, scale=1.0, device=DEVICE):
+    return (torch.randn(shape, dtype=torch.float64, device=device) * scale).to(dtype)
 
 
-def grads_of(dtypes, empty=True):
+def grads_of(dtypes, empty=True, device=DEVICE):
     """One tensor per shape of SHAPES, dtypes cycling through ``dtypes`` (fp16 scaled to use its
-    range)."""
+    range). ``device``: test_cuda_logic.py runs this module's logic on the CPU."""
     out = []
     for i, shape in enumerate(SHAPES):
         if not empty and 0 in shape:
             continue
         d = dtypes[i % len(dtypes)]
-        out.append(rand(shape, d, 100.0 if d == torch.float16 else 1.0))
+        out.append(rand(shape, d, 100.0 if d == torch.float16 else 1.0, device))
     return out
 
 
@@ -293,46 +296,9 @@ def test_unscale_check_norm_and_unscale_and_clip_match_rust(p):
 # --- opcheck ------------------------------------------------------------------------------
 
 
-def _opcheck_cases():
-    d = DEVICE
-    f = [
-        torch.randn(3, 4, device=d),
-        torch.randn(0, device=d),
-        torch.randn((), device=d),
-        torch.randn(5, device=d).bfloat16(),
-    ]
-    g = [torch.randn(3, 4, device=d), torch.randn(0, device=d), torch.randn((), device=d)]
-    inv, found = torch.full((1,), 0.5, device=d), torch.zeros(1, device=d)
-    return [
-        ("multi_tensor_norm", (f, 2.0, True)),
-        ("multi_tensor_norm", ([torch.randn(3, 4, device=d), torch.randn((), device=d)], math.inf, False)),
-        ("multi_tensor_scale_", (f, torch.tensor(0.5, device=d))),
-        ("clip_grads_with_norm_", (f, 1.0, torch.tensor(3.0, device=d))),
-        ("clip_grad_norm_", (g, 0.5, 2.0, False)),
-        ("unscale_and_check_", (f, inv, found)),
-        ("unscale_check_norm", (g, inv, 2.0)),
-        ("unscale_and_clip_", (g, inv, found, 0.5, 2.0)),
-        (
-            "accumulate_",
-            (
-                [torch.zeros(3, device=d), torch.zeros(0, device=d)],
-                [torch.ones(3, device=d).bfloat16(), torch.ones(0, device=d)],
-                0.5,
-            ),
-        ),
-        ("clamp_", (f, -0.1, 0.1)),
-        ("multi_tensor_stats", (f, 2.0)),
-        ("unit_norms", (f, [3, 0, 1, 1], 2.0)),
-        ("scale_units_", (f, [3, 0, 1, 1], torch.rand(5, device=d))),
-    ]
-
-
 def test_opcheck_every_op_on_cuda():
-    cases = _opcheck_cases()
-    registered = {
-        n for n in dir(torch.ops.gradfuse) if isinstance(getattr(torch.ops.gradfuse, n), torch._ops.OpOverloadPacket)
-    }
-    assert registered == {name for name, _ in cases}
+    cases = opcheck_cases(DEVICE)
+    assert registered_ops() == {name for name, _ in cases}  # every op, whatever ran before in this process
     for name, args in cases:
         torch.library.opcheck(getattr(torch.ops.gradfuse, name).default, args)
 
@@ -340,10 +306,14 @@ def test_opcheck_every_op_on_cuda():
 # --- no host sync, CUDA graphs, launches, torch.compile -----------------------------------
 
 
-def _calls(grads, inv, found, total):
+def sync_free_calls(grads, inv, found, total):
+    """Every op once, as a training step calls them, on ``grads`` (which may hold an empty
+    tensor: the inf-norm clip gets the non-empty ones, as torch refuses an inf norm of an empty
+    tensor and so does gradfuse)."""
+    nonempty = [g for g in grads if g.numel()]
     return [
         lambda: gradfuse.clip_grad_norm_(params_of(grads), 1.0),
-        lambda: gradfuse.clip_grad_norm_(params_of(grads), 1.0, math.inf),
+        lambda: gradfuse.clip_grad_norm_(params_of(nonempty), 1.0, math.inf),
         lambda: gradfuse.unscale_and_clip_(grads, inv, found, 1.0),
         lambda: gradfuse.unscale_check_norm(grads, inv),
         lambda: gradfuse.accumulate_(grads, grads, 0.5),
@@ -365,19 +335,16 @@ def test_no_host_sync(warm):
         torch.zeros((), device=DEVICE),
         torch.tensor(3.0, device=DEVICE),
     )
-    calls = _calls(grads, inv, found, total)
+    calls = sync_free_calls(grads, inv, found, total)
     if warm:
         for call in calls:
             call()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_debug_mode("error"):
         for call in calls:
             call()
         with pytest.raises(RuntimeError, match="synchroniz"):
             gradfuse.clip_grad_norm_(params_of(grads), 1.0, error_if_nonfinite=True)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
 
 
@@ -438,14 +405,22 @@ def test_cuda_graph_unscale_and_clip():
                 assert same_bits(g.cpu(), scaled(n, factor))
 
 
-def _kernel_names(fn):
+def profiled_names(fn, device=DEVICE):
+    """The kernels ``fn`` launches on CUDA (copies and memsets left out); on the CPU, the
+    ``gradfuse::`` ops it dispatches (test_cuda_logic.py)."""
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else lambda: None
     fn()  # warm: compile and build the table outside the profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    sync()
+    # acc_events=True: there is one profiling cycle either way, and without it torch 2.11 warns on
+    # entering the profile that events are cleared at the end of each cycle.
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU], acc_events=True) as prof:
         fn()
-        torch.cuda.synchronize()
+        sync()
+    if not cuda:
+        return [e.name for e in prof.events() if e.name.startswith("gradfuse::")]
     return [
         e.name
         for e in prof.events()
@@ -457,19 +432,31 @@ def test_launches_per_clip_call_with_1000_tensors():
     gen = torch.Generator().manual_seed(0)
     sizes = torch.randint(1, 5000, (1000,), generator=gen).tolist()
     grads = [torch.randn(n, device=DEVICE) for n in sizes]
-    names = _kernel_names(lambda: gradfuse.clip_grad_norm_(params_of(grads), 1e-3))
+    names = profiled_names(lambda: gradfuse.clip_grad_norm_(params_of(grads), 1e-3))
     assert len(names) == 2, names  # one dtype group: norm (finalize fused), then scale
     mixed = [g if i % 2 else g.bfloat16() for i, g in enumerate(grads)]
-    names = _kernel_names(lambda: gradfuse.clip_grad_norm_(params_of(mixed), 1e-3))
+    names = profiled_names(lambda: gradfuse.clip_grad_norm_(params_of(mixed), 1e-3))
     assert len(names) <= 4, names  # two dtype groups
     # The scalars are made outside the profiled call: torch.zeros on the device is a fill kernel
     # of the caller's, which the H100 run counted as a third launch of gradfuse's.
     inv, found = torch.tensor(0.5, device=DEVICE), torch.zeros((), device=DEVICE)
-    names = _kernel_names(lambda: gradfuse.unscale_and_clip_(grads, inv, found, 1e-3))
+    names = profiled_names(lambda: gradfuse.unscale_and_clip_(grads, inv, found, 1e-3))
     assert len(names) == 2, names
 
 
+def import_inductor() -> None:
+    """Import torch.compile's default backend up front. torch 2.11's inductor imports
+    ``torch.utils.mkldnn``, whose classes use ``torch.jit.script_method``, deprecated there with a
+    DeprecationWarning at import (Python < 3.14): torch's own, raised once per process, and under
+    ``filterwarnings = error`` it aborted the compile half way through the import. Only that
+    warning is ignored, only here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is", category=DeprecationWarning)
+        import torch._inductor.compile_fx  # noqa: F401
+
+
 def test_torch_compile_fullgraph():
+    import_inductor()
     grads = grads_of([torch.float32])
     eager, compiled_grads = clones(grads), clones(grads)
     eager_params, compiled_params = params_of(eager), params_of(compiled_grads)
@@ -487,6 +474,7 @@ def test_torch_compile_fullgraph():
 # --- sizes and code generation -----------------------------------------------------------
 
 
+@pytest.mark.serial  # 4 GiB and more, and its skip reads the free memory, which other workers change
 def test_tensors_over_two_to_the_31_elements():
     """64-bit offsets: a bf16 tensor of 2^31 + 7 elements (4 GiB) measured, scaled, unscaled."""
     n = 2**31 + 7
@@ -571,16 +559,13 @@ def test_buckets_clip_is_two_launches_and_sync_free():
     model, _, buckets = _bucketed_mlp()
     buckets.clip_grad_norm_(1e-3)  # compile
     torch.cuda.synchronize()
-    names = _kernel_names(lambda: buckets.clip_grad_norm_(1e-3))
+    names = profiled_names(lambda: buckets.clip_grad_norm_(1e-3))
     assert len(names) == 2, names
-    names = _kernel_names(lambda: gradfuse.clip_grad_norm_(model.parameters(), 1e-3))  # the drop-in finds them
+    names = profiled_names(lambda: gradfuse.clip_grad_norm_(model.parameters(), 1e-3))  # the drop-in finds them
     assert len(names) == 2, names
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_debug_mode("error"):
         buckets.clip_grad_norm_(1e-3)
         buckets.zero_grad()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_buckets_main_grad_bf16_on_gpu():
@@ -608,6 +593,7 @@ def one_rank_group(request, tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.serial  # a process group (NCCL, gloo) per run
 def test_ddp_hook_on_cuda_matches_ddp_and_folds_the_clip(one_rank_group):
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -30,7 +30,7 @@ SCENARIOS = [
     "low_precision_buckets",
     "sparse_gradients",
     "scaler_folds_the_clip_into_the_optimizer",
-    "scaler_without_clipping_uses_the_hooks_flag",
+    "scaler_without_clipping_reads_the_flag",
     "randomized_against_ddp",
     "bad_registration_raises",
 ]

@@ -144,6 +144,31 @@ def test_nested_context_managers_restore_on_the_outer_exit():
     assert torchs_own()
 
 
+def test_the_same_patch_object_nests_like_distinct_ones():
+    """Issue 24.4: ``with p: with p:`` kept torch patched only until the inner block exited."""
+    patch = gradfuse.patch_torch()
+    patch.restore()
+    with patch:
+        with patch:
+            with patch:
+                assert patched()
+            assert patched()
+        assert patched()  # the outer block is still open
+        with gradfuse.patch_torch():  # a distinct one inside
+            assert patched()
+        assert patched()
+    assert torchs_own()
+    # An exception leaving the inner block counts as its exit, no more.
+    with patch:
+        with pytest.raises(ZeroDivisionError), patch:
+            raise ZeroDivisionError
+        assert patched()
+    assert torchs_own()
+    with patch:  # and the object is as good as new
+        assert patched()
+    assert torchs_own()
+
+
 # --- inference tensors (10.4) ---------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import gradfuse
 from gradfuse import _rust
+from op_cases import opcheck_cases, registered_ops
 from reference import (
     EDGE_SIZES,
     FLOAT_DTYPES,
@@ -419,39 +420,14 @@ def test_unscale_norm_scales_in_place_and_measures_the_result(tensors, inv, p):
 # --- opcheck ------------------------------------------------------------------------------
 
 
-def _opcheck_cases():
-    f = [torch.randn(3, 4), torch.randn(0), torch.randn(()), torch.randn(5).bfloat16()]
-    g = [torch.randn(3, 4), torch.randn(0), torch.randn(())]
-    inv, found = torch.full((1,), 0.5), torch.zeros(1)
-    return [
-        ("multi_tensor_norm", (f, 2.0, True)),
-        ("multi_tensor_norm", ([torch.randn(3, 4), torch.randn(())], math.inf, False)),
-        ("multi_tensor_scale_", (f, torch.tensor(0.5))),
-        ("clip_grads_with_norm_", (f, 1.0, torch.tensor(3.0))),
-        ("clip_grad_norm_", (g, 0.5, 2.0, False)),
-        ("unscale_and_check_", (f, inv, found)),
-        ("unscale_check_norm", (g, inv, 2.0)),
-        ("unscale_and_clip_", (g, inv, found, 0.5, 2.0)),
-        ("unscale_norm_", (f, inv, found, 2.0)),
-        ("accumulate_", ([torch.zeros(3), torch.zeros(0)], [torch.ones(3).bfloat16(), torch.ones(0)], 0.5)),
-        ("clamp_", (f, -0.1, 0.1)),
-        ("multi_tensor_stats", (f, 2.0)),
-        ("unit_norms", (f, [3, 0, 1, 1], 2.0)),
-        ("scale_units_", (f, [3, 0, 1, 1], torch.rand(5))),
-    ]
-
-
-@pytest.mark.parametrize(("name", "args"), _opcheck_cases(), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(("name", "args"), opcheck_cases("cpu"), ids=lambda v: v if isinstance(v, str) else "")
 def test_opcheck(name, args):
     op = getattr(torch.ops.gradfuse, name).default
     torch.library.opcheck(op, args)
 
 
 def test_every_registered_op_is_opchecked():
-    checked = {name for name, _ in _opcheck_cases()}
-    registered = {n for n in dir(torch.ops.gradfuse) if not n.startswith("_") and n not in ("name",)}
-    registered = {n for n in registered if isinstance(getattr(torch.ops.gradfuse, n), torch._ops.OpOverloadPacket)}
-    assert registered == checked
+    assert registered_ops() == {name for name, _ in opcheck_cases("cpu")}
 
 
 @pytest.mark.slow

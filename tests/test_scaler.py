@@ -107,7 +107,9 @@ def test_fused_optimizer_gets_the_clip_folded_into_its_read(optimizer):
     grads = [p.grad.clone() for p in pair.models[1].parameters()]
     norm = pair.scalers[1].unscale_and_clip_(pair.opts[1], 0.05)
     assert all(torch.equal(p.grad, g) for p, g in zip(pair.models[1].parameters(), grads, strict=True))
-    assert not hasattr(pair.opts[1], "grad_scale")  # set only for the duration of step
+    # Handed to the optimizer at once (issue 24.1: a direct opt.step() applies it too), and
+    # withdrawn after the step.
+    assert torch.is_tensor(pair.opts[1].grad_scale) and torch.is_tensor(pair.opts[1].found_inf)
     pair.scalers[0].unscale_(pair.opts[0])
     torch_norm = torch.nn.utils.clip_grad_norm_(pair.models[0].parameters(), 0.05)
     torch.testing.assert_close(norm, torch_norm, rtol=RTOL, atol=0)
@@ -300,3 +302,133 @@ def test_max_norm_inf_clips_nothing_even_on_an_overflow_step(fused, devices):
         assert p.grad.tolist() == want
     scaler.step(opt)
     assert all(not p.detach().any() for p in params)  # skipped
+
+
+# --- a folded clip is never lost (issue 24.1) ------------------------------------------------
+
+
+STEPS_24, OVERFLOW_24 = 6, 3
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd_fused", "adamw", "adamw_fused"])
+@pytest.mark.parametrize("init_scale", [2.0**10, None], ids=["scaled", "disabled"])
+@pytest.mark.parametrize("how", ["opt.step", "scaler.step"])
+def test_unscale_and_clip_then_either_step_matches_torchs_unscale_clip_step(optimizer, init_scale, how):
+    """``unscale_and_clip_`` followed by ``opt.step()`` (torch's own pattern is ``unscale_`` then
+    ``opt.step()``) or by ``scaler.step(opt)``, against torch's ``scaler.unscale_`` +
+    ``clip_grad_norm_`` + ``opt.step()``, weights compared after every step. Before the fix a
+    fused optimizer's direct step ran on the raw gradients: neither unscaled nor clipped.
+
+    The overflow step (an inf in one gradient): torch's direct ``opt.step()`` writes the NaN it
+    was given into the weights, and so does gradfuse with a plain optimizer, whose gradients
+    it unscaled and clipped in place; a fused optimizer reads the ``found_inf`` handed over with
+    the clip and skips the step, as it does under ``scaler.step``, which skips on every path."""
+    enabled = init_scale is not None
+    kwargs = dict(init_scale=init_scale, growth_interval=2) if enabled else dict(enabled=False)
+    pair = Pair("cpu", optimizer, **kwargs)
+    (t_opt, g_opt), (t_scaler, g_scaler) = pair.opts, pair.scalers
+    gen = torch.Generator().manual_seed(11)
+    direct = how == "opt.step"
+    for step in range(STEPS_24):
+        overflow = step == OVERFLOW_24
+        pair.backward(torch.randn(16, 8, generator=gen) * 4, math.inf if overflow else None)
+        t_scaler.unscale_(t_opt)
+        t_norm = torch.nn.utils.clip_grad_norm_(pair.models[0].parameters(), 0.5)
+        g_norm = g_scaler.unscale_and_clip_(g_opt, 0.5)
+        if not overflow:
+            torch.testing.assert_close(g_norm, t_norm, rtol=RTOL, atol=0)
+            assert t_norm > 0.5  # the clip is active
+        skips = overflow and (not direct or "fused" in optimizer)
+        if not skips:
+            t_opt.step()
+        if direct:
+            g_opt.step()
+        else:
+            g_scaler.step(g_opt)
+        for opt in (t_opt, g_opt):
+            assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf"), "leaked into the next step"
+        t_scaler.update()
+        g_scaler.update()
+        if overflow and not skips:  # torch's NaN, and gradfuse's: the loop cannot go on from there
+            assert any(p.isnan().any() for p in pair.models[0].parameters())
+            for a, b in zip(pair.models[0].parameters(), pair.models[1].parameters(), strict=True):
+                torch.testing.assert_close(b, a, rtol=RTOL, atol=1e-7, equal_nan=True)
+            return
+        pair.assert_same()
+        assert g_scaler.get_scale() == (t_scaler.get_scale() if enabled else 1.0)
+    assert not enabled or g_scaler.get_scale() != 2.0**10  # it backed off (and grew) as torch's
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_folded_clip_no_step_took_is_written_by_update(enabled):
+    """``unscale_and_clip_``, then ``update()`` without any step (a step the caller skipped):
+    the fold is not dropped. The gradients end as torch's ``unscale_`` + ``clip_grad_norm_``
+    leave them, nothing stays on the optimizer, and the next step is a plain one."""
+    kwargs = dict(init_scale=2.0**10) if enabled else dict(enabled=False)
+    pair = Pair("cpu", "adamw_fused", **kwargs)
+    (t_opt, g_opt), (t_scaler, g_scaler) = pair.opts, pair.scalers
+    pair.backward(torch.randn(16, 8) * 4)
+    t_scaler.unscale_(t_opt)
+    torch.nn.utils.clip_grad_norm_(pair.models[0].parameters(), 0.5)
+    g_scaler.unscale_and_clip_(g_opt, 0.5)
+    assert hasattr(g_opt, "grad_scale")  # handed over, for whichever step comes
+    t_scaler.update()
+    g_scaler.update()
+    assert not hasattr(g_opt, "grad_scale") and not hasattr(g_opt, "found_inf")
+    for p, q in zip(pair.models[0].parameters(), pair.models[1].parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=1e-8)
+    # A later plain step reads the gradients as they are, with no leftover scale.
+    t_opt.step()
+    g_opt.step()
+    pair.assert_same()
+
+
+def test_a_second_step_after_a_direct_one_is_refused_and_a_new_iteration_works():
+    """After ``unscale_and_clip_`` + ``opt.step()``, ``scaler.step(opt)`` or ``opt.step()`` would
+    step again on the raw gradients: refused with a clear error. With a disabled scaler (no
+    ``update()`` needed),
+    the next iteration's ``unscale_and_clip_`` + ``opt.step()`` works, and its clip is its own."""
+    for enabled in (True, False):
+        kwargs = dict(init_scale=2.0**4) if enabled else dict(enabled=False)
+        pair = Pair("cpu", "sgd_fused", **kwargs)
+        (t_opt, g_opt), (t_scaler, g_scaler) = pair.opts, pair.scalers
+        gen = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            pair.backward(torch.randn(16, 8, generator=gen) * 4)
+            t_scaler.unscale_(t_opt)
+            torch.nn.utils.clip_grad_norm_(pair.models[0].parameters(), 0.5)
+            t_opt.step()
+            g_scaler.unscale_and_clip_(g_opt, 0.5)
+            g_opt.step()
+            before = [p.detach().clone() for p in pair.models[1].parameters()]
+            with pytest.raises(RuntimeError, match="already"):
+                g_scaler.step(g_opt)
+            with pytest.raises(RuntimeError, match="no backward since the last step"):
+                g_opt.step()  # torch would step on its clipped gradients again; these are raw
+            assert all(torch.equal(a, b) for a, b in zip(before, pair.models[1].parameters(), strict=True))
+            if enabled:
+                t_scaler.update()
+                g_scaler.update()
+            pair.assert_same()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_direct_step_after_scaler_step_of_a_fold_is_refused_until_the_next_backward(enabled):
+    """``scaler.step(opt)`` applied the fold; an ``opt.step()`` before the next backward would run
+    on the still scaled, unclipped gradients (torch's ``unscale_`` pattern would repeat its
+    clipped step): refused, nothing changed. After a backward, steps are the caller's again."""
+    kwargs = dict(init_scale=2.0**8) if enabled else dict(enabled=False)
+    pair = Pair("cpu", "adamw_fused", **kwargs)
+    opt, scaler, model = pair.opts[1], pair.scalers[1], pair.models[1]
+    pair.backward(torch.randn(16, 8) * 4)
+    scaler.unscale_and_clip_(opt, 0.5)
+    scaler.step(opt)
+    scaler.update()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="no backward since the last step"):
+        opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    opt.step()  # refused once, then the caller's decision (torch's rules)
+    opt.zero_grad()
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()  # a plain step on fresh gradients: not refused

@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradfuse
+from process_state import sync_debug_mode
 from reference import EDGE_SIZES, FLOAT_DTYPES, close, ref_norms, rtol, same_bits
 
 TRITON_EDGES = (1, 15, 16, 17, 63, 64, 65, 145)
@@ -141,11 +142,8 @@ def test_cuda_stats_match_the_rust_core_without_a_host_sync():
     tensors[2][-1] = -math.inf
     gradfuse.multi_tensor_stats(tensors)  # builds the chunk table
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_debug_mode("error"):
         got = gradfuse.multi_tensor_stats(tensors)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     want = gradfuse.multi_tensor_stats([t.cpu() for t in tensors])
     torch.testing.assert_close(got.norms.cpu(), want.norms, rtol=2 * rtol(tensors), atol=0, equal_nan=True)
     assert same_bits(got.amax.cpu(), want.amax) and torch.equal(got.nonfinite.cpu(), want.nonfinite)

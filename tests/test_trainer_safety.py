@@ -340,10 +340,13 @@ def test_without_checkpoint_dir_a_signal_still_stops_after_the_step_and_says_not
 
     model = TinyLM()
     trainer = Trainer(model, adamw(model), loader(), config(max_steps=10), callbacks=[SignalAt2()])
+    # The handlers fit() must put back: whatever was there (SIG_IGN for SIGINT when the tests run
+    # as a background job from a script, Python's default_int_handler in a terminal).
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with pytest.raises(TrainingInterrupted, match=r"SIGINT after step 3 of 10: no checkpoint written") as stop:
         trainer.fit()  # the signal lands after step 2's sync: step 3 is the one it finishes
     assert stop.value.step == trainer.step == 3 and stop.value.checkpoint is None
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert {sig: signal.getsignal(sig) for sig in before} == before  # handlers restored
 
 
 @pytest.mark.slow

@@ -22,6 +22,17 @@ communication hook (``gradfuse.register_ddp_hook``).
   gradient kept outside the buckets, a parameter cast or moved since the plan, a frozen
   parameter that got a gradient) they run over the real gradients, with torch's answer. The
   slots of parameters whose gradient is not in the buckets hold unspecified values.
+- A parameter replaced in its module after the plan (``module.weight = nn.Parameter(...)``,
+  ``register_parameter``, ``load_state_dict(..., assign=True)``) is a different tensor, whose
+  gradient the buckets never see: torch's global parameter-registration hook
+  (``register_module_parameter_registration_hook``, registered once, with the first
+  ``GradBuckets``) notes it at the moment of the replacement, at no cost per call, and the
+  methods then raise, saying to call :meth:`GradBuckets.refresh`, which plans the parameters
+  the model has now (the replacements, found through the module and name they were registered
+  under). A parameter set on a module by other means (``del`` then a new attribute, a
+  ``module._parameters`` write, ``model.to()`` under
+  ``torch.__future__.set_overwrite_module_params_on_conversion(True)``) is not seen: build
+  the buckets again, or pass ``refresh(params)``.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from itertools import repeat
 from operator import attrgetter
 
 import torch
+from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _plan as P
@@ -62,6 +74,9 @@ _LIVE: weakref.WeakValueDictionary[int, GradBuckets] = weakref.WeakValueDictiona
 # Which set holds each parameter, by the parameter's id (kept alive by that set).
 _OWNERS: weakref.WeakValueDictionary[int, GradBuckets] = weakref.WeakValueDictionary()
 
+#: torch's global parameter-registration hook (``_on_parameter_registered``), once registered.
+_WATCHING = None
+
 _grad = attrgetter("grad")
 _main_grad = attrgetter("main_grad")
 _PLAIN = frozenset({Tensor, torch.nn.Parameter})
@@ -71,7 +86,30 @@ def _describe(i: int, p: Tensor) -> str:
     return f"params[{i}] (shape {tuple(p.shape)}, {str(p.dtype).removeprefix('torch.')})"
 
 
-def _check_params(params) -> list[Tensor]:
+def _watch_replacements() -> None:
+    """Registers :func:`_on_parameter_registered` with torch, once (the first GradBuckets)."""
+    global _WATCHING
+    if _WATCHING is None:
+        _WATCHING = register_module_parameter_registration_hook(_on_parameter_registered)
+
+
+def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
+    """torch calls this whenever any module registers a parameter (``module.x = Parameter``,
+    ``register_parameter``, ``load_state_dict(assign=True)``), before storing it: the parameter
+    it replaces, if a GradBuckets holds it, is noted there (held weakly: ``_OWNERS``)."""
+    old = module._parameters.get(name)
+    if old is None or old is param:
+        return
+    owner = _OWNERS.get(id(old))
+    if owner is not None:
+        owner._note_replaced(old, module, name)
+
+
+def _check_params(params, owner: GradBuckets | None = None) -> list[Tensor]:
+    """The parameters to plan, checked: ``params`` a tensor, an iterable of tensors or a
+    ``Module`` (its parameters). Those ``owner`` holds already may be given again."""
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
     if isinstance(params, Tensor):
         params = [params]
     params = list(params)
@@ -86,8 +124,8 @@ def _check_params(params) -> list[Tensor]:
         if id(p) in seen:
             raise ValueError(f"GradBuckets: params[{seen[id(p)]}] and params[{i}] are the same parameter")
         seen[id(p)] = i
-        owner = _OWNERS.get(id(p))
-        if owner is not None:
+        held_by = _OWNERS.get(id(p))
+        if held_by is not None and held_by is not owner:
             raise ValueError(
                 f"GradBuckets: {_describe(i, p)} already has its gradient in another GradBuckets, whose hooks "
                 "would fire too; call .remove() on that one first (or .refresh() it to follow a changed model)"
@@ -170,13 +208,15 @@ def _combine(parts: list[Tensor], norm_type: float) -> Tensor:
 class GradBuckets:
     """The gradients of ``params`` (one process) in a few flat buffers (see the module docs).
 
-    ``params``: tensors on one device; those that do not require grad are skipped (as DDP
-    does) and brought in by :meth:`refresh` once they do. ``bucket_cap_mb``: the bucket size
-    cap. ``grad_dtype``: the dtype gradients accumulate in; a parameter of another dtype gets
-    its gradient in ``param.main_grad`` (``param.grad`` is freed). ``main_grad`` is cleared by
-    :meth:`zero_grad` alone, not by ``optimizer.zero_grad()`` (Megatron's ``zero_grad_buffer``
-    convention): a backward after an optimizer step without ``buckets.zero_grad()`` in between
-    warns, since it adds to the last step's gradients.
+    ``params``: tensors on one device, or a ``Module`` (its parameters; :meth:`refresh` then
+    takes the module's parameters as they are at that time); those that do not require grad
+    are skipped (as DDP does) and brought in by :meth:`refresh` once they do.
+    ``bucket_cap_mb``: the bucket size cap. ``grad_dtype``: the dtype gradients accumulate
+    in; a parameter of another dtype gets its gradient in ``param.main_grad`` (``param.grad``
+    is freed). ``main_grad`` is cleared by :meth:`zero_grad` alone, not by
+    ``optimizer.zero_grad()`` (Megatron's ``zero_grad_buffer`` convention): a backward after
+    an optimizer step without ``buckets.zero_grad()`` in between warns, since it adds to the
+    last step's gradients.
 
     A parameter belongs to one ``GradBuckets`` at a time (:meth:`remove` the first).
     ``process_group=`` is gone: data parallelism runs on ``DistributedDataParallel`` with
@@ -185,7 +225,7 @@ class GradBuckets:
 
     def __init__(
         self,
-        params: Iterable[Tensor],
+        params: Iterable[Tensor] | torch.nn.Module,
         *,
         bucket_cap_mb: float = 25.0,
         grad_dtype: torch.dtype | None = None,
@@ -193,6 +233,8 @@ class GradBuckets:
     ) -> None:
         if process_group is not None:
             raise TypeError(DDP_INSTEAD)
+        #: The module the parameters were taken from, if one was given (weakly).
+        self._module = weakref.ref(params) if isinstance(params, torch.nn.Module) else None
         given = _check_params(params)
         self._cap_bytes = _check_cap(bucket_cap_mb)
         if grad_dtype is not None and grad_dtype not in P.DTYPE_CODES:
@@ -207,9 +249,14 @@ class GradBuckets:
         self._stepped = False
         self._checked_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._step_handle = None
+        #: Parameters replaced in their module since the plan: index in ``_given`` -> (the
+        #: module, weakly; the name). Non-empty: the methods raise until ``refresh``.
+        self._replaced: dict[int, tuple[weakref.ref, str]] = {}
+        self._given_at = {id(p): i for i, p in enumerate(given)}
         self._plan()
         for p in given:
             _OWNERS[id(p)] = self
+        _watch_replacements()
 
     # --- layout ----------------------------------------------------------------------------
 
@@ -326,15 +373,73 @@ class GradBuckets:
         self._views[i] = view
         return view
 
-    def refresh(self) -> None:
+    def refresh(self, params: Iterable[Tensor] | torch.nn.Module | None = None) -> None:
         """Plans the buckets again for the parameters as they are now: those that require grad
         (follow an unfreezing schedule), with their current dtype, shape and device (after
-        ``model.to()``, ``.half()``, channels_last, ``grad_dtype``). The gradients are carried
-        over; read :attr:`buffers` again afterwards. (Under torch's
-        ``set_overwrite_module_params_on_conversion(True)``, ``model.to()`` makes new parameter
-        objects, which neither the optimizer nor these buckets hold: build both again.)"""
-        _check_kinds(self._given)
+        ``model.to()``, ``.half()``, channels_last, ``grad_dtype``), and the parameters that
+        replaced some of them in their modules (``module.weight = nn.Parameter(...)``,
+        ``load_state_dict(..., assign=True)``; the old ones are let go). The gradients are
+        carried over; read :attr:`buffers` again afterwards.
+
+        ``params``: plan these instead (tensors, or a ``Module``'s parameters); by default the
+        module's parameters when the buckets were built from a module, else those given, with
+        the replacements. Nothing changes when they cannot be planned (the error says why).
+        (Under torch's ``set_overwrite_module_params_on_conversion(True)``, ``model.to()`` makes
+        new parameter objects without telling anyone: pass them here, or build the buckets
+        again; the optimizer needs them too.)"""
+        module = self._module() if self._module is not None else None
+        if params is not None:
+            given = _check_params(params, owner=self)
+        elif module is not None:
+            given = _check_params(module, owner=self)
+        else:
+            given = _check_params(self._current_given(), owner=self)
+        _check_kinds(given)
+        if isinstance(params, torch.nn.Module):
+            self._module = weakref.ref(params)
+        kept = {id(p) for p in given}
+        for p in self._given:
+            if id(p) not in kept and _OWNERS.get(id(p)) is self:
+                del _OWNERS[id(p)]
+        for p in given:
+            _OWNERS[id(p)] = self
+        self._given = given
+        self._given_at = {id(p): i for i, p in enumerate(given)}
+        self._replaced.clear()
         self._plan()
+
+    def _current_given(self) -> list[Tensor]:
+        """The parameters given, each replaced one by what its module holds under its name now
+        (left out if the module is gone or holds none; each parameter once)."""
+        given, seen = [], set()
+        for i, p in enumerate(self._given):
+            if i in self._replaced:
+                module, name = self._replaced[i]
+                module = module()
+                p = None if module is None else module._parameters.get(name)
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                given.append(p)
+        return given
+
+    def _note_replaced(self, old: Tensor, module: torch.nn.Module, name: str) -> None:
+        """``module`` registers a new parameter under ``name``, replacing ``old`` (ours)."""
+        i = self._given_at.get(id(old))
+        if i is not None:
+            self._replaced[i] = (weakref.ref(module), name)
+
+    def _check_not_replaced(self) -> None:
+        if self._replaced:
+            i, (module, name) = next(iter(self._replaced.items()))
+            module = module()
+            where = f"{type(module).__name__}.{name}" if module is not None else name
+            more = f" (and {len(self._replaced) - 1} more)" if len(self._replaced) > 1 else ""
+            raise RuntimeError(
+                f"GradBuckets: {_describe(i, self._given[i])}{more} was replaced in its module by a new parameter "
+                f"({where} = nn.Parameter(...), or load_state_dict(..., assign=True)) after the buckets were planned; "
+                "the new parameter's gradient never reaches them. Call buckets.refresh() to plan the parameters "
+                "the model has now (an optimizer built before holds the old ones too)"
+            )
 
     @property
     def buffers(self) -> list[Tensor]:
@@ -495,6 +600,7 @@ class GradBuckets:
         has none (an optimizer leaves it alone, as torch's); the hook re-attaches the view when
         a gradient arrives. ``set_to_none=False`` zeroes the gradients in place. ``main_grad`` is
         cleared here and only here (Megatron's ``zero_grad_buffer``)."""
+        self._check_not_replaced()
         if self._buffers:
             torch._foreach_zero_(self._buffers)
         self._stepped = False
@@ -521,6 +627,7 @@ class GradBuckets:
         FSDP) and the norm is over every rank's shard (identical on every rank; every rank must
         call it, with or without gradients)."""
         norm_type = P.check_norm_type("GradBuckets.get_total_norm", norm_type)
+        self._check_not_replaced()
         with torch.no_grad():
             if self._all_live():
                 # Zero gaps do not change a norm of positive order; they would change the count
@@ -553,6 +660,7 @@ class GradBuckets:
         norm (before clipping)."""
         max_norm = check_max_norm("GradBuckets.clip_grad_norm_", max_norm)
         norm_type = P.check_norm_type("GradBuckets.clip_grad_norm_", norm_type)
+        self._check_not_replaced()
         with torch.no_grad():
             if self._all_live():
                 if process_group is None and norm_type > 0 and self._buffers:
@@ -583,7 +691,8 @@ class GradBuckets:
         into the buckets (a ``.grad`` the user replaced, or re-pointed with ``.data =``, is
         not), and no frozen parameter has a gradient the set's methods would add."""
         return (
-            len(grads) == len(self._views)
+            not self._replaced
+            and len(grads) == len(self._views)
             and all(map(operator.is_, grads, self._views))
             and list(map(Tensor.data_ptr, grads)) == self._ptrs
             and (not self._frozen or all(map(operator.is_, map(_grad, self._frozen), repeat(None))))

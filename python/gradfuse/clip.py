@@ -11,8 +11,12 @@ by two parameters, overlapping views), where torch's element-by-element updates 
 result. The kernels find all of these before anything is modified.
 
 Gradients that are the views of a live ``GradBuckets`` run over its few flat buffers; those a
-DDP with gradfuse's hook has just reduced take the norm the hook measured during backward and
-are scaled over DDP's bucket buffers; DTensor
+DDP with gradfuse's hook has reduced are scaled over DDP's bucket buffers. The norm the hook
+measured during backward is used only when handed over, ``clip_grad_norm_(...,
+measured=state)``: the caller promises that nothing touched the gradients since backward
+(writes through ``.data``, NumPy views or collectives change no version counter, so this
+cannot be checked; a visibly stale handover raises). Without it the gradients are read, and
+the answer is torch's. DTensor
 gradients (FSDP2, tensor parallel) with ``Shard``/``Replicate`` placements run over their local
 shards with one all-reduce per mesh; ``process_group=`` combines shards held by several ranks.
 """
@@ -33,7 +37,7 @@ from . import _plan as P
 from . import distributed as D
 from . import ops
 from .buckets import owner_of
-from .ddp_hook import state_for
+from .ddp_hook import handed_over, state_for
 from .ops import check_max_norm
 
 Tensor = torch.Tensor
@@ -236,12 +240,6 @@ def get_total_norm(
     owner = owner_of(tensors) if norm_type > 0 else None
     if owner is not None:
         return owner.get_total_norm(norm_type, error_if_nonfinite)
-    hook = state_for(tensors, norm_type)
-    if hook is not None:
-        total = hook.total_norm().clone()  # the caller's own, as torch's is
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise P.nonfinite_total_error(norm_type)
-        return total
     if _is_dtensor(tensors):
         with torch.no_grad():
             total = _dtensor_total(tensors, norm_type)
@@ -334,6 +332,7 @@ def clip_grad_norm_(
     foreach: bool | None = None,
     *,
     process_group=None,
+    measured=None,
 ) -> Tensor:
     """Drop-in for ``torch.nn.utils.clip_grad_norm_``: two passes over the gradients (a read
     for the norm, a read-write for the scale, skipped when no clipping is needed), one or two
@@ -341,27 +340,38 @@ def clip_grad_norm_(
     norm of the gradients (viewed as one vector), float32 for fp32/bf16/fp16 gradients.
 
     When the gradients are exactly the views of a live :class:`gradfuse.GradBuckets`, both
-    passes run over its few flat buffers. When they are exactly those a DDP with
-    :func:`gradfuse.register_ddp_hook` has just reduced (untouched since, and ``norm_type`` the
-    hook's), the norm is the hook's and only the scale pass runs, over DDP's bucket buffers.
+    passes run over its few flat buffers.
+    ``measured``: the state :func:`gradfuse.register_ddp_hook` returned, handed over with the
+    promise that nothing touched the gradients since the last synchronised backward (which
+    gradfuse cannot check: ``.data``, NumPy and collective writes move no version counter).
+    The norm is then the one the hook measured during backward, and only the scale pass runs,
+    over DDP's bucket buffers.
+    ``parameters`` must be all of the DDP model's; a handover that is visibly stale (other
+    gradient tensors, or ones modified in place since) raises ``RuntimeError``, and one of
+    another ``norm_type`` ``ValueError``; where that backward left no measurement the
+    gradients are read.
     ``process_group``: the gradients are this rank's shard and the norm is over every rank's
     (see :func:`get_total_norm`).
     ``max_norm`` may also be a clipping policy (``gradfuse.clipping``: ZClip, AutoClip, AGC),
     which picks the coefficient.
     """
     parameters = _parameters(parameters, warn_empty_generator=True)
+    if measured is not None and (process_group is not None or hasattr(max_norm, "clip_grads_")):
+        raise ValueError(
+            "gradfuse.clip_grad_norm_: measured= (the DDP hook's norm) takes a max_norm number and no process_group"
+        )
     if hasattr(max_norm, "clip_grads_"):  # a clipping policy (gradfuse.clipping) in place of max_norm
         return max_norm.clip_grads_(parameters, norm_type, error_if_nonfinite, foreach, process_group=process_group)
     grads = _grads(parameters)
     max_norm = check_max_norm("gradfuse.clip_grad_norm_", max_norm)
     norm_type = P.check_norm_type("gradfuse.clip_grad_norm_", norm_type)
     if process_group is None:
+        hook = None if measured is None else handed_over(measured, grads, norm_type, "gradfuse.clip_grad_norm_")
         if not grads:
             return torch.tensor(0.0)
         owner = owner_of(grads) if norm_type > 0 else None
         if owner is not None:
             return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
-        hook = state_for(grads, norm_type)
         if hook is not None:
             # The norm was measured during backward: only the scale pass is left, over DDP's buckets.
             total = hook.total_norm().clone()  # the caller's own, as torch's is
@@ -458,10 +468,12 @@ class patch_torch:
     Patches are counted: torch stays patched while any patch object is in force, and the
     functions that were there before the first one come back when the last one is restored,
     whatever the order. A patch object can be used again (``with p:`` re-applies it), and
-    restoring one twice is harmless.
+    restoring one twice is harmless. The same object nests as distinct ones do: its ``with``
+    blocks are counted, and only the outermost one's exit restores it.
     """
 
     def __init__(self) -> None:
+        self._entries = 0  # ``with`` blocks of this object now open
         self.apply()
 
     @property
@@ -495,8 +507,14 @@ class patch_torch:
                 _SAVED.clear()
 
     def __enter__(self) -> patch_torch:
+        with _PATCH_LOCK:
+            self._entries += 1
         self.apply()
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.restore()
+        with _PATCH_LOCK:
+            self._entries -= 1
+            outermost = self._entries == 0
+        if outermost:
+            self.restore()

@@ -187,12 +187,13 @@ class ZClip(ClipPolicy):
         self.max_grad_norm = None if max_grad_norm is None else check_max_norm("ZClip", max_grad_norm)
         self.warmup_steps, self.mode, self.clip_option = warmup_steps, mode, clip_option
         self.clip_factor, self.skip_update_on_spike = float(clip_factor), bool(skip_update_on_spike)
-        # float64 scalars on the norm's device, made on first use: the norms seen in warm-up,
-        # how many (finite ones), and the EMA of the mean and variance.
-        self._buffer = torch.zeros(warmup_steps, dtype=torch.float64)
-        self._count = torch.zeros((), dtype=torch.int64)
-        self._mean = torch.zeros((), dtype=torch.float64)
-        self._var = torch.zeros((), dtype=torch.float64)
+        # float64 scalars on the norm's device, moved there on first use (made on the CPU, whatever
+        # the default device): the norms seen in warm-up, how many (finite ones), and the EMA of
+        # the mean and variance.
+        self._buffer = torch.zeros(warmup_steps, dtype=torch.float64, device="cpu")
+        self._count = torch.zeros((), dtype=torch.int64, device="cpu")
+        self._mean = torch.zeros((), dtype=torch.float64, device="cpu")
+        self._var = torch.zeros((), dtype=torch.float64, device="cpu")
 
     def _config(self):
         return {
@@ -265,7 +266,7 @@ class ZClip(ClipPolicy):
             deviation = clip_val - new_mean
             self._mean.fill_(new_mean)
             self._var.fill_(self.alpha * var + (1 - self.alpha) * (deviation * deviation))  # torch's ** 2 is x * x
-        self.last_coef = torch.tensor(coef, dtype=torch.float32)  # rounded to nearest, as .float()
+        self.last_coef = torch.tensor(coef, dtype=torch.float32, device="cpu")  # rounded to nearest, as .float()
         return self.last_coef
 
     def _clip_coef_tensors(self, total_norm: Tensor) -> Tensor:
@@ -350,9 +351,10 @@ class AutoClip(ClipPolicy):
         if not (isinstance(history_length, int) and history_length >= 1):
             raise ValueError(f"AutoClip: history_length must be an int >= 1, got {history_length!r}")
         self.quantile, self.history_length = float(quantile), history_length
-        # A ring of the last norms (unused slots NaN) and the number recorded so far.
-        self._history = torch.full((history_length,), math.nan, dtype=torch.float32)
-        self._count = torch.zeros((), dtype=torch.int64)
+        # A ring of the last norms (unused slots NaN) and the number recorded so far; on the CPU
+        # until the first norm's device is known.
+        self._history = torch.full((history_length,), math.nan, dtype=torch.float32, device="cpu")
+        self._count = torch.zeros((), dtype=torch.int64, device="cpu")
 
     def _config(self):
         return {"quantile": self.quantile, "history_length": self.history_length}

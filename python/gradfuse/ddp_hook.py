@@ -22,11 +22,26 @@ first bucket of every synchronised backward, and sealed after DDP has finished t
 (a callback queued behind DDP's own): only then does ``total_norm()`` answer, and a backward
 that failed part-way leaves nothing usable behind.
 
-The clip and the scaler use the state (:func:`state_for`) instead of reading the gradients
-again when the gradients they are given are exactly the ones the sealed backward produced:
-the same tensor objects, still views into the same bucket buffers, none of which has been
-modified since (their version counters, recorded when sealing, are unchanged; writes that
-bypass version counters, through ``.data``, cannot be seen).
+**When the measurement is used.** Only where nothing can have touched the gradients since it
+was taken, which gradfuse cannot check on its own: writes through ``.data``, a NumPy view or a
+collective (``dist.all_reduce(p.grad)``) change no version counter, so gradients that look
+untouched may not be. So the norm and ``found_inf`` are used in two places only:
+
+- inside the Trainer's own step (``gradfuse.Trainer`` under DDP), where no user code runs
+  between backward and the clip;
+- where the user hands the state over explicitly, promising that nothing touched the
+  gradients since backward: ``scaler.unscale_and_clip_(optimizer, max_norm, measured=state)``
+  or ``gradfuse.clip_grad_norm_(ddp.parameters(), max_norm, measured=state)``. A handover
+  that is visibly stale (the gradients are not the tensors the backward left, no longer view
+  their buckets, or were modified in place since: their version counters moved) raises
+  ``RuntimeError`` instead of being used; where the last synchronised backward left no
+  measurement (see :meth:`DDPHookState.total_norm`), the gradients are read.
+
+Everywhere else the drop-ins and the scaler read the gradients, and give torch's answer.
+``total_norm()`` and ``found_inf()`` stay what the backward measured, whatever came after.
+What is always used is DDP's bucket buffers as the *targets* of a scale pass (the clip's,
+``unscale_``'s), where the gradients are provably views of them (:func:`state_for`): that
+changes where a pass runs, not what it computes.
 """
 
 from __future__ import annotations
@@ -42,11 +57,11 @@ from . import ops
 
 Tensor = torch.Tensor
 
-__all__ = ["DDPHookState", "register_ddp_hook", "state_for"]
+__all__ = ["DDPHookState", "handed_over", "register_ddp_hook", "state_for"]
 
 _OP = "gradfuse.register_ddp_hook"
 
-#: Every live hook state, for the clip and the scaler to find the one that owns their gradients.
+#: Every live hook state, for the clip and the scaler to find the buckets their gradients view.
 _LIVE: weakref.WeakSet[DDPHookState] = weakref.WeakSet()
 
 
@@ -235,9 +250,12 @@ class DDPHookState:
             raise RuntimeError(f"gradfuse DDP hook: no norm available: {self._why}")
 
     def total_norm(self) -> Tensor:
-        """The ``norm_type``-norm of the gradients of the last synchronised backward (a 0-d
-        fp32 tensor, fp64 for fp64 gradients, on the gradients' device; no host sync). Raises
-        ``RuntimeError`` if that backward did not complete."""
+        """The ``norm_type``-norm of the gradients of the last synchronised backward, as that
+        backward left them (a 0-d fp32 tensor, fp64 for fp64 gradients, on the gradients'
+        device; no host sync): what the gradients were then, whatever touched them since.
+        Raises ``RuntimeError`` if that backward did not complete or left no measurement (a
+        sparse bucket; a negative order with parameters left without a gradient; another rank's
+        stale gradient in the slot of a parameter unused everywhere)."""
         self._check_sealed()
         return self._total
 
@@ -255,25 +273,36 @@ class DDPHookState:
 
     def covers(self, grads: list[Tensor], norm_type: float | None = None) -> bool:
         """Whether ``grads`` are exactly the gradients the last synchronised backward left
-        (in any order), untouched since, so that ``total_norm()`` is their ``norm_type``-norm
-        (any order: only the buffers are asked for)."""
-        if not self._sealed or len(grads) != len(self._grads):
+        (in any order), views of its buckets, with no version counter moved since (any order:
+        only the buffers are asked for). Writes that bypass version counters cannot be seen:
+        this alone never licenses using the measurement (see the module docs)."""
+        if not self._sealed:
             return False
         if norm_type is not None and norm_type != self.norm_type:
             return False
+        return self._mismatch(grads) is None
+
+    def _mismatch(self, grads: list[Tensor]) -> str | None:
+        """Why ``grads`` are visibly not what the sealed backward left, or None."""
+        if len(grads) != len(self._grads):
+            return f"{len(grads)} gradients were given, and the backward left {len(self._grads)}"
         seen = set()
-        for g in grads:
+        for i, g in enumerate(grads):
             entry = self._grads.get(id(g))
-            if entry is None or entry[0]() is not g or g.data_ptr() != entry[1]:
-                return False
+            if entry is None or entry[0]() is not g:
+                return f"gradient {i} (shape {tuple(g.shape)}) is not one the backward left (replaced or set since)"
+            if g.data_ptr() != entry[1]:
+                return f"gradient {i} (shape {tuple(g.shape)}) no longer views its bucket (re-pointed since)"
             seen.add(id(g))
         if len(seen) != len(grads):
-            return False
+            return "a gradient was given twice"
         for ref, version in self._versions:
             buffer = ref()
-            if buffer is None or buffer._version != version:
-                return False
-        return True
+            if buffer is None:
+                return "DDP's bucket buffers were replaced (a bucket rebuild)"
+            if buffer._version != version:
+                return "the gradients were modified in place since the backward (their version counters moved)"
+        return None
 
     def __repr__(self) -> str:
         status = "sealed" if self._sealed else self._why
@@ -295,8 +324,9 @@ def register_ddp_hook(ddp_model: DistributedDataParallel, norm_type: float = 2.0
     ``ddp_model`` must be built with ``gradient_as_bucket_view=True`` (every ``.grad`` a view
     into DDP's bucket buffers, which the clip and the scaler then run over) and have no other
     communication hook. ``norm_type``: the order of the norm the hook measures (any real,
-    ``inf``, ``-inf``); the clip and the scaler use it when they are asked for that order.
-    Register it before training starts, on every rank.
+    ``inf``, ``-inf``). The clip and the scaler use the measurement only when it is handed to
+    them (``measured=state``, with that order) or inside the Trainer's step; see the module
+    docs. Register it before training starts, on every rank.
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
@@ -322,9 +352,37 @@ def register_ddp_hook(ddp_model: DistributedDataParallel, norm_type: float = 2.0
     return state
 
 
+def handed_over(measured, grads: list[Tensor], norm_type: float, op: str) -> DDPHookState | None:
+    """The explicit handover ``measured=state`` of ``op`` over ``grads``: the state, when its
+    measurement is of these gradients in ``norm_type``; None when the last synchronised
+    backward left none (the caller reads the gradients). Raises when the handover is wrong or
+    visibly stale, before anything is modified."""
+    if not isinstance(measured, DDPHookState):
+        raise TypeError(
+            f"{op}: measured= takes the state gradfuse.register_ddp_hook returned, got {type(measured).__name__}"
+        )
+    if norm_type != measured.norm_type:
+        raise ValueError(
+            f"{op}: the DDP hook measures the {measured.norm_type}-norm, and norm_type={norm_type} was asked for; "
+            f"pass norm_type={measured.norm_type}, or drop measured= to read the gradients"
+        )
+    if not measured._sealed:
+        return None
+    why = measured._mismatch(grads)
+    if why is not None:
+        raise RuntimeError(
+            f"{op}: measured= hands over the norm the DDP hook measured in the last backward, but the gradients "
+            f"changed since: {why}. The measurement holds only while nothing touches the gradients between "
+            "backward and the clip; drop measured= to read them"
+        )
+    return measured
+
+
 def state_for(grads: list[Tensor], norm_type: float | None = None) -> DDPHookState | None:
-    """The hook state whose last synchronised backward left exactly ``grads`` (untouched since),
-    measured in ``norm_type`` (None: any); None when there is none (the gradients must be read)."""
+    """The hook state whose last synchronised backward left exactly ``grads`` (views of its
+    buckets, no version counter moved since), measured in ``norm_type`` (None: any); None when
+    there is none. Proves only that ``grads`` view the state's ``buffers``, which may therefore
+    be the targets of a pass; never that its measurement is still theirs (module docs)."""
     if not grads or not _LIVE:
         return None
     first = id(grads[0])

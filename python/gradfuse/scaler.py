@@ -13,14 +13,22 @@ state dict saved by either loads into the other. Two things change:
   scale itself (torch's fused Adam, AdamW, SGD and Adagrad, which set
   ``_step_supports_amp_scaling``), nothing is written: one read-only pass gives the norm and
   ``found_inf``, the clip coefficient ``min(max_norm / (norm + 1e-6), 1)`` is computed on the
-  device, and ``step`` hands the optimizer ``grad_scale = scale / clip_coef``, which it
-  divides the gradients by as it reads them. Otherwise the gradients are unscaled and clipped
-  in place, in two passes (a read, then one write of ``grad * inv_scale * clip_coef``).
-  Gradients that a DDP with gradfuse's hook (``gradfuse.register_ddp_hook``) has just reduced
-  were measured during backward: no read pass at all then (the norm is the hook's times
-  ``inv_scale``, ``found_inf`` the hook's), and the write pass, if any, runs over DDP's buckets.
-  The same holds without clipping: ``step`` on such an optimizer takes the hook's ``found_inf``,
-  and ``unscale_`` runs over the buckets.
+  device, and the optimizer is handed ``grad_scale = scale / clip_coef`` and ``found_inf``
+  at once (the attributes torch's ``step`` hands over), which its own ``step()`` divides the
+  gradients by as it reads them, skipping the step on inf/NaN. A folded clip is never lost:
+  ``scaler.step(optimizer)`` and a direct ``optimizer.step()`` both apply it (a step
+  post-hook withdraws the attributes after that one step, and a second step is refused), and
+  ``update`` writes a fold that no step took into the gradients. Otherwise the gradients are
+  unscaled and clipped in place, in two passes (a read, then one write of
+  ``grad * inv_scale * clip_coef``).
+  Gradients that a DDP with gradfuse's hook (``gradfuse.register_ddp_hook``) has reduced were
+  measured during backward; handed over, ``unscale_and_clip_(..., measured=state)`` (the
+  caller's promise that nothing touched them since: writes through ``.data``, NumPy views or
+  collectives move no version counter, so gradfuse cannot check it), that measurement replaces
+  the read pass (the norm is the hook's times ``inv_scale``, ``found_inf`` the hook's), and the
+  write pass, if any, runs over DDP's buckets; a visibly stale handover raises. Without it, and
+  in ``unscale_`` and ``step``'s inf check, the gradients are read (torch's answer); ``unscale_``
+  runs its pass over DDP's few buckets.
   DTensor gradients (FSDP2, tensor parallel) are read as their local shards, and one
   all-reduce gives every rank the total norm and the inf/NaN flag together, so that all ranks
   clip alike and skip alike; torch's fused AdamW takes DTensor parameters, and the clip is
@@ -42,6 +50,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import weakref
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
@@ -49,12 +58,13 @@ from operator import attrgetter, is_not, itemgetter
 
 import torch
 from torch.amp.grad_scaler import OptState
+from torch.utils.hooks import RemovableHandle
 
 from . import _plan as P
 from . import distributed as D
 from . import ops
 from .clip import _TO_TORCH, _TORCHS, _check_all, _combine_totals, _fused_groups, _nonzero_counts, _run_fused
-from .ddp_hook import DDPHookState, state_for
+from .ddp_hook import DDPHookState, handed_over, state_for
 from .ops import check_max_norm, multi_tensor_scale_, unscale_check_norm
 
 Tensor = torch.Tensor
@@ -66,10 +76,54 @@ EPS = 1e-6  # torch's clip coefficient: max_norm / (total_norm + EPS)
 
 @dataclass
 class _Unscaled:
-    """What ``unscale_and_clip_`` leaves for ``step``."""
+    """What ``unscale_and_clip_`` leaves for ``step``.
+
+    A folded clip (``grad_scale`` set) is handed to the optimizer at once, as torch's scaler
+    hands ``grad_scale``/``found_inf`` over in ``step``, so that the optimizer's own ``step()``
+    applies it however it is called; a step post-hook (``handle``) withdraws them after that
+    step, and ``update`` applies a fold that no step took (:meth:`GradScaler.update`)."""
 
     found_inf: Tensor  # 0-d float32, 1.0 if any gradient held inf or NaN
     grad_scale: Tensor | None  # scale / clip_coef, for an optimizer that divides by it as it reads
+    optimizer: weakref.ref | None = None  # set with grad_scale
+    handle: RemovableHandle | None = None  # the step post-hook, while the fold is pending
+    via_scaler: bool = False  # inside GradScaler.step, whose torch part withdraws the attributes
+    stepped: bool = False  # an optimizer.step() called directly took the fold
+
+    @property
+    def pending(self) -> bool:
+        """A folded clip that no step has applied yet."""
+        return self.handle is not None
+
+
+def _withdraw(optimizer: torch.optim.Optimizer) -> None:
+    """Take back the ``grad_scale`` and ``found_inf`` handed to ``optimizer``."""
+    for name in ("grad_scale", "found_inf"):
+        if name in vars(optimizer):
+            delattr(optimizer, name)
+
+
+def _refuse_a_second_step(optimizer: torch.optim.Optimizer) -> None:
+    """After a step that applied a folded clip, the gradients are still scaled and unclipped:
+    a further ``optimizer.step()`` before any backward (the first gradient the same tensor, its
+    version counter unmoved) raises instead of stepping on them, where torch's ``unscale_`` +
+    clip would step on the same clipped gradients again. One check, at the next step only."""
+    param = next((p for group in optimizer.param_groups for p in group["params"] if p.grad is not None), None)
+    if param is None:
+        return
+    param_ref, grad_ref, version = weakref.ref(param), weakref.ref(param.grad), param.grad._version
+
+    def check(optimizer, args, kwargs) -> None:
+        handle.remove()
+        param, grad = param_ref(), grad_ref()
+        if param is not None and grad is not None and param.grad is grad and grad._version == version:
+            raise RuntimeError(
+                "optimizer.step(): no backward since the last step, which applied the unscale and clip that "
+                "GradScaler.unscale_and_clip_() folded into it; the gradients are still scaled and unclipped. "
+                "Call unscale_and_clip_() (and step once) after each backward"
+            )
+
+    handle = optimizer.register_step_pre_hook(check)
 
 
 def _optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -231,12 +285,6 @@ class GradScaler(torch.amp.GradScaler):
         """For an optimizer that unscales as it reads: only check, in a read-only pass."""
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         grads = _optimizer_grads(optimizer)
-        hook = state_for(grads)
-        if hook is not None:  # checked during backward, by gradfuse's DDP hook
-            found = hook.found_inf().clone()  # torch's update() adds the other optimizers' flags into it
-            found = {found.device: found}
-            self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
-            return found
         groups = _fused_groups(grads, one_device=False) if grads else {}
         if groups is None:
             return super()._check_inf_per_device(optimizer)
@@ -259,6 +307,7 @@ class GradScaler(torch.amp.GradScaler):
         norm_type: float = 2.0,
         *,
         divisor: Tensor | float | None = None,
+        measured: DDPHookState | None = None,
     ) -> Tensor:
         """Unscale the optimizer's gradients, check them for inf/NaN, and clip them to
         ``max_norm`` (torch's rule: ``grad *= min(max_norm / (norm + 1e-6), 1)``); returns the
@@ -268,13 +317,26 @@ class GradScaler(torch.amp.GradScaler):
         Call it once per optimizer between ``scale(loss).backward()`` and ``step``, in place of
         ``unscale_`` + ``clip_grad_norm_``. For an optimizer that takes ``grad_scale`` (fused
         Adam/AdamW/SGD/Adagrad) the gradients are only read here; the unscale and the clip are
-        applied by ``step``, inside the optimizer's own read. No host sync.
+        applied by the optimizer's next step, inside its own read, whether that is
+        ``scaler.step(optimizer)`` or ``optimizer.step()`` called directly (``update`` writes
+        them into the gradients if no step took them). No host sync.
 
         ``divisor`` (a number or a 0-d tensor, e.g. the step's token count on the device)
         divides the gradients as well, folded into the unscale factor at no extra pass: the
         norm, the clip and the step are those of ``grad / divisor``. As ``unscale_``, an
         enabled scaler refuses fp16 gradients (``ValueError``, nothing modified).
-        ``max_norm`` may also be a clipping policy (``gradfuse.clipping``: ZClip, AutoClip, AGC).
+        ``max_norm`` may also be a clipping policy (``gradfuse.clipping``: ZClip, AutoClip, AGC),
+        which reads the gradients itself (``measured`` is not used then).
+
+        ``measured``: the state :func:`gradfuse.register_ddp_hook` returned, handed over with
+        the promise that nothing touched the gradients since the last synchronised backward
+        (gradfuse cannot check it: ``.data``, NumPy and collective writes move no version
+        counter). The norm and ``found_inf`` the hook measured during backward then replace the
+        read pass: with a fused optimizer nothing reads the gradients before its step. The
+        optimizer must hold all of the DDP model's gradients, in the hook's ``norm_type``; a
+        handover that is visibly stale (other gradient tensors, or ones modified in place since
+        backward) raises ``RuntimeError`` and changes nothing. Where that backward left no
+        measurement (see ``DDPHookState.total_norm``), the gradients are read.
         """
         op = "GradScaler.unscale_and_clip_"
         if hasattr(max_norm, "clip_grads_"):  # a clipping policy (gradfuse.clipping, gradfuse.agc)
@@ -285,7 +347,7 @@ class GradScaler(torch.amp.GradScaler):
         grads = _optimizer_grads(optimizer)
         if self._enabled:
             _refuse_fp16(grads)
-        hook = state_for(grads, norm_type)
+        hook = None if measured is None else handed_over(measured, grads, norm_type, op)
         if hook is not None:  # plain tensors on one device, measured during backward
             scale, inv_scale = self._scales(hook.total_norm().device, divisor)
             return self._clip_from_hook(optimizer, hook, scale, inv_scale, max_norm)
@@ -338,10 +400,11 @@ class GradScaler(torch.amp.GradScaler):
     def _clip_from_hook(
         self, optimizer, hook: DDPHookState, scale: Tensor, inv_scale: Tensor, max_norm: float
     ) -> Tensor:
-        """The gradients are those a DDP with gradfuse's hook has just reduced, and the hook has
-        measured them during backward: no pass over them here. The unscaled norm is the hook's
-        norm times ``inv_scale``; ``found_inf`` is the hook's. A fused optimizer then divides by
-        ``scale / clip_coef`` as it reads; otherwise one write pass over DDP's bucket buffers."""
+        """The gradients are those a DDP with gradfuse's hook has just reduced, and the hook,
+        handed over (``measured=``), measured them during backward: no pass over them here. The
+        unscaled norm is the hook's norm times ``inv_scale``; ``found_inf`` is the hook's. A
+        fused optimizer then divides by ``scale / clip_coef`` as it reads; otherwise one write
+        pass over DDP's bucket buffers."""
         found = hook.found_inf().clone()  # torch's update() adds the other optimizers' flags into it
         with torch.no_grad():
             # Order 0 counts the non-zero gradients: a count that no scale changes.
@@ -542,7 +605,7 @@ class GradScaler(torch.amp.GradScaler):
                 )
             if stage is OptState.STEPPED:
                 raise RuntimeError("unscale_and_clip_() is being called after step().")
-        elif id(optimizer) in self._unscaled:
+        elif (unscaled := self._unscaled.get(id(optimizer))) is not None and not unscaled.stepped:
             raise RuntimeError("unscale_and_clip_() has already been called on this optimizer since the last step().")
 
     def _record(self, optimizer, found_per_device: dict, grad_scale: Tensor | None) -> None:
@@ -552,34 +615,90 @@ class GradScaler(torch.amp.GradScaler):
             if len(found_per_device) == 1
             else torch.stack([f.to(first.device) for f in found_per_device.values()]).amax()
         )
-        self._unscaled[id(optimizer)] = _Unscaled(found, grad_scale)
+        unscaled = self._unscaled[id(optimizer)] = _Unscaled(found, grad_scale)
         if self._enabled:
             state = self._per_optimizer_states[id(optimizer)]
             state["found_inf_per_device"] = found_per_device
             state["stage"] = OptState.UNSCALED
+        if grad_scale is not None:
+            # Handed over now, as torch's step hands them over, so that the optimizer's own
+            # step() applies the unscale and the clip (and skips on inf/NaN) however it is
+            # called; found_inf is the tensor skip_step_ updates in place.
+            optimizer.grad_scale, optimizer.found_inf = grad_scale, found
+            unscaled.optimizer = weakref.ref(optimizer)
+            unscaled.handle = optimizer.register_step_post_hook(self._folded_step_taken)
+
+    def _folded_step_taken(self, optimizer, args, kwargs) -> None:
+        """The optimizer's step post-hook while a folded clip is pending: that step applied it.
+        Called directly (not from ``step``), the step leaves the attributes to us, and counts
+        as this optimizer's step (a second one would run on unclipped gradients)."""
+        unscaled = self._unscaled.get(id(optimizer))
+        if unscaled is None or unscaled.handle is None:
+            return
+        unscaled.handle.remove()
+        unscaled.handle = None
+        _refuse_a_second_step(optimizer)
+        if unscaled.via_scaler:
+            return  # torch's GradScaler.step deletes grad_scale and found_inf itself
+        _withdraw(optimizer)
+        unscaled.stepped = True
+        if self._enabled:
+            self._per_optimizer_states[id(optimizer)]["stage"] = OptState.STEPPED
+
+    def _apply_pending(self, unscaled: _Unscaled) -> None:
+        """A folded clip that no step took, written into the gradients (one pass): they end as
+        torch's ``unscale_`` + ``clip_grad_norm_`` leave them, and nothing is handed over any more."""
+        unscaled.handle.remove()
+        unscaled.handle = None
+        optimizer = unscaled.optimizer()
+        if optimizer is None:
+            return
+        _withdraw(optimizer)
+        grads = [g.to_local() if D.is_dtensor(g) else g for g in _optimizer_grads(optimizer)]
+        with torch.no_grad():
+            _scale_in_place(grads, unscaled.grad_scale.double().reciprocal().float())
 
     # --- step, update ---------------------------------------------------------------------
 
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
         """As torch's ``step``; after ``unscale_and_clip_``, applies what it folded."""
-        unscaled = self._unscaled.pop(id(optimizer), None)
+        unscaled = self._unscaled.get(id(optimizer))
+        if unscaled is not None and unscaled.stepped:
+            raise RuntimeError(
+                "step(): optimizer.step() was already called after unscale_and_clip_() and applied its "
+                "unscale and clip; a second step would run on the unscaled, unclipped gradients"
+            )
         if self._enabled:
-            if unscaled is not None and unscaled.grad_scale is not None:
-                # torch's step passes optimizer.grad_scale on in the UNSCALED stage, then deletes it.
-                optimizer.grad_scale = unscaled.grad_scale
-            return super().step(optimizer, *args, **kwargs)
+            # torch's step passes optimizer.grad_scale (set by unscale_and_clip_) on in the
+            # UNSCALED stage, and deletes it and found_inf after the optimizer's step.
+            if unscaled is not None:
+                unscaled.via_scaler = True
+            try:
+                result = super().step(optimizer, *args, **kwargs)
+            finally:
+                if unscaled is not None:
+                    unscaled.via_scaler = False
+            self._unscaled.pop(id(optimizer), None)
+            return result
         if unscaled is None:
             return optimizer.step(*args, **kwargs)
         if unscaled.grad_scale is None:
             # Clipped in place; skip on inf/NaN as torch's scaler does (a host read, as torch's).
+            self._unscaled.pop(id(optimizer))
             return None if unscaled.found_inf.item() else optimizer.step(*args, **kwargs)
-        optimizer.grad_scale, optimizer.found_inf = unscaled.grad_scale, unscaled.found_inf
-        try:
-            return optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale, optimizer.found_inf
+        # Folded: grad_scale and found_inf are on the optimizer, whose step reads (and skips on)
+        # them; its post-hook withdraws them.
+        result = optimizer.step(*args, **kwargs)
+        self._unscaled.pop(id(optimizer), None)
+        return result
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
+        """As torch's ``update``. A clip that ``unscale_and_clip_`` folded and no step applied
+        (a step skipped by the caller) is written into the gradients first, so that they end
+        as torch's ``unscale_`` + ``clip_grad_norm_`` would leave them: never dropped."""
+        for unscaled in self._unscaled.values():
+            if unscaled.pending:
+                self._apply_pending(unscaled)
         self._unscaled.clear()
         super().update(new_scale)
 

@@ -76,16 +76,24 @@ def bench(args: argparse.Namespace, command: list[str] | None = None) -> int:
         raise BenchError(str(err)) from None
     reps = args.reps if args.reps is not None else (5 if args.quick else None)
     date = datetime.now(timezone.utc)
-    run = engine.run(device, workloads, reps)
-
-    host_summary = host.slopes(run.results)  # before the records: it adds each slope to them
-    records = report.build_records(run, device, date)
-    print(report.format_table(records))
-    if host_summary:
-        print("\n" + host_summary)
     tag = "-".join(args.workloads) if args.workloads else None
     out_dir = args.out if args.out is not None else default_out_dir()
-    paths = report.write_files(out_dir, report.file_stem(device, date, tag), records, run, command or sys.argv)
+    stem, command = report.file_stem(device, date, tag), command or sys.argv
+
+    def save(run: engine.RunResult, complete: bool) -> list[Path]:
+        host.slopes(run.results)  # the host family's per-tensor slopes, into its records
+        records = report.build_records(run, device, date)
+        return report.write_files(out_dir, stem, records, run, command, complete=complete)
+
+    # The files are rewritten after every workload ("complete": false until the end), so that a
+    # run stopped part way (a time limit, a crash, Ctrl-C) leaves the records of what finished.
+    run = engine.run(device, workloads, reps, on_progress=lambda partial: save(partial, complete=False))
+
+    host_summary = host.slopes(run.results)
+    print(report.format_table(report.build_records(run, device, date)))
+    if host_summary:
+        print("\n" + host_summary)
+    paths = save(run, complete=True)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     for name, error in run.failures:
         print(f"\n{name} FAILED:\n{error}", file=sys.stderr)

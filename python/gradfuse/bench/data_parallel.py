@@ -8,8 +8,9 @@ fused AdamW, with active clipping. A timed step is forward + backward + clip + o
 - ``torch``: ``torch.nn.utils.clip_grad_norm_`` then ``optimizer.step()``;
 - ``gradfuse``: the DDP hook (``gradfuse.register_ddp_hook``) measures each bucket's norm as
   its all-reduce completes, during backward; after backward, ``GradScaler(enabled=False)``'s
-  ``unscale_and_clip_`` takes that norm (no pass over the gradients) and ``step`` folds the
-  clip into fused AdamW's read.
+  ``unscale_and_clip_(..., measured=hook)`` takes that norm, handed over (no pass over the
+  gradients, which nothing touched since backward), and ``step`` folds the clip into fused
+  AdamW's read.
 
 Each step is also split, from the same timed runs: ``impl:after_backward`` is the part after
 ``backward()`` returns (clip + optimizer step), ``impl:clip`` the gradient management alone
@@ -114,7 +115,7 @@ def _measure(rank: int, quick: bool, reps: int | None, budget_s: float, device: 
     def clip(name: str) -> torch.Tensor:
         if name == "torch":
             return torch.nn.utils.clip_grad_norm_(models["torch"].parameters(), MAX_NORM)
-        return scaler.unscale_and_clip_(optimizers["gradfuse"], MAX_NORM)
+        return scaler.unscale_and_clip_(optimizers["gradfuse"], MAX_NORM, measured=hook)
 
     def optimizer_step(name: str) -> None:
         if name == "torch":

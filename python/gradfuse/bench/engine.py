@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -169,9 +170,13 @@ class RunResult:
     background_load: float | None  # other processes' share of the CPUs during the run
 
 
-def run(device: Device, workloads: list[Workload], reps: int | None) -> RunResult:
+def run(
+    device: Device, workloads: list[Workload], reps: int | None, on_progress: Callable[[RunResult], None] | None = None
+) -> RunResult:
     """Run the copy baseline and every workload; a workload that fails is reported in
-    ``failures`` (name, traceback) and the others still run."""
+    ``failures`` (name, traceback) and the others still run. ``on_progress`` gets what is done
+    so far after each workload (the bench writes its files then, so that a run stopped at a
+    time limit keeps the workloads it finished)."""
     background = BackgroundLoad()
     copy_reps = reps or (3 if device.quick else 10)
     _log(f"copy baseline: {device.copy_bytes / 2**20:.0f} MiB, {copy_reps} copies")
@@ -198,6 +203,8 @@ def run(device: Device, workloads: list[Workload], reps: int | None) -> RunResul
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if on_progress is not None:
+            on_progress(RunResult(list(results), list(copy_us), list(failures), None))
     _log("copy baseline again")
     copy_us += device.copy_times(copy_reps)
     load = background.fraction()

@@ -24,7 +24,7 @@ import gradfuse
 
 from .cases import GRADFUSE_NORM_RTOL, RTOL_VS_TORCH, Family, assert_lists_close, parameters_for, pristine
 from .measure import BenchError
-from .training import ACCUM_STEPS, LR, MAX_NORM, TrainerFamily, _gradfuse_trainer_step
+from .training import ACCUM_STEPS, LR, MAX_NORM, TrainerFamily, _gradfuse_trainer_step, new_model
 
 
 def _torch_stats(grads):
@@ -254,10 +254,7 @@ class TrainerHealthFamily(TrainerFamily):
         return {"torch": _gradfuse_trainer_step, "gradfuse": _gradfuse_trainer_step}
 
     def new_set_for(self, impl: str):
-        from ..demo import GPT
-
-        torch.manual_seed(0)
-        model = GPT(self.gpt).to(self.device)
+        model = new_model(self.gpt, self.device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
         common = {"max_steps": 10**6, "grad_accum_steps": ACCUM_STEPS, "lr": LR, "lr_schedule": "cosine"}
         common.update(min_lr_ratio=0.1, progress=False, log_every=10)

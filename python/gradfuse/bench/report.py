@@ -10,6 +10,7 @@ machine's copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import statistics
@@ -219,21 +220,32 @@ def file_stem(device: Device, date: datetime, tag: str | None) -> str:
     return "_".join(parts)
 
 
-def write_files(out_dir: Path, stem: str, records: list[dict], run: RunResult, command: list[str]) -> list[Path]:
-    """Write ``<stem>.json``, ``<stem>.md`` and, when matplotlib imports, the chart ``<stem>.png``;
-    returns the paths written."""
+def write_files(
+    out_dir: Path, stem: str, records: list[dict], run: RunResult, command: list[str], *, complete: bool = True
+) -> list[Path]:
+    """Write ``<stem>.json``, ``<stem>.md`` and, for a complete run when matplotlib imports, the
+    chart ``<stem>.png``; returns the paths written. Each file is replaced whole (written beside
+    it, then renamed), so a run stopped while writing leaves the previous version, never half a
+    file. ``complete``: False while the run is still going (the JSON says so)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {
         "schema": SCHEMA,
         "command": command,
+        "complete": complete,
         "records": records,
         "failures": [{"workload": name, "error": error} for name, error in run.failures],
     }
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
-    paths[0].write_text(json.dumps(doc, indent=1) + "\n")
-    paths[1].write_text(format_markdown(records))
-    chart = write_chart(out_dir / f"{stem}.png", records)
+    _replace(paths[0], json.dumps(doc, indent=1) + "\n")
+    _replace(paths[1], format_markdown(records))
+    chart = write_chart(out_dir / f"{stem}.png", records) if complete else None
     return paths + ([chart] if chart else [])
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def write_chart(path: Path, records: list[dict]) -> Path | None:

@@ -162,13 +162,14 @@ class HandLoop:
     def __init__(self, model, optimizer, batches):
         self.model, self.optimizer = model, optimizer
         self.params = list(model.parameters())
+        self.device = self.params[0].device
         self.scheduler = _schedule(optimizer)
         self.batches = itertools.cycle(batches)
         self.norm = None
 
     def forward_backward(self) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=self.device)  # on the model's device, as the micro-losses it sums
         for _ in range(ACCUM_STEPS):
             micro = self.model(**next(self.batches)).loss / ACCUM_STEPS
             micro.backward()
@@ -213,6 +214,17 @@ def _gradfuse_grads(trainer):
     return trainer._unscale_and_clip()[0]
 
 
+def new_model(config, device: torch.device) -> torch.nn.Module:
+    """The workload's GPT, the same weights for every implementation, made on ``device``
+    itself (no tensor of the step is made anywhere else: ``tests/test_bench.py`` runs these
+    workloads with the default device set to ``meta`` to prove it)."""
+    from ..demo import GPT
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        return GPT(config)
+
+
 class TrainerFamily(Family):
     """See the module docstring (``trainer``)."""
 
@@ -221,8 +233,8 @@ class TrainerFamily(Family):
     def __init__(self, workload, device, quick):
         super().__init__(workload, device, quick)
         self.gpt, batch = model_config(quick)
-        gen = torch.Generator().manual_seed(3)
-        tokens = torch.randint(0, self.gpt.vocab, (N_BATCHES, batch, self.gpt.ctx + 1), generator=gen)
+        gen = torch.Generator().manual_seed(3)  # the same tokens on every device: drawn on the CPU
+        tokens = torch.randint(0, self.gpt.vocab, (N_BATCHES, batch, self.gpt.ctx + 1), generator=gen, device="cpu")
         self.batches = [{"input_ids": t[:, :-1].to(device), "labels": t[:, 1:].to(device)} for t in tokens]
 
     def impls(self):
@@ -235,10 +247,7 @@ class TrainerFamily(Family):
         }
 
     def new_set_for(self, impl: str):
-        from ..demo import GPT
-
-        torch.manual_seed(0)
-        model = GPT(self.gpt).to(self.device)
+        model = new_model(self.gpt, self.device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
         if impl.startswith("torch"):
             return HandLoop(model, optimizer, self.batches)

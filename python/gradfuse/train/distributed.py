@@ -6,7 +6,8 @@ it lets backward skip communication on every micro-step but the last (``grads.no
 ``LocalGradients`` does that for one process (the model itself, torch's own ``zero_grad``,
 nothing to skip); ``DDPGradients`` for data parallelism: torch's ``DistributedDataParallel``
 with ``gradient_as_bucket_view=True`` and gradfuse's communication hook, which measures the
-gradients' norm while backward runs, so that the scaler's clip reads no gradient afterwards;
+gradients' norm while backward runs, so that the scaler's clip reads no gradient afterwards
+(``measured``: the Trainer hands the hook's state to the scaler, which is sound only there);
 ``FSDPGradients`` (``fsdp.py``, ``TrainConfig.parallel="fsdp"``) for a model sharded by FSDP2.
 ``World.gradients`` is the one place that picks among them.
 
@@ -36,6 +37,7 @@ class LocalGradients:
     """Gradients as autograd leaves them in ``param.grad``; nothing to communicate."""
 
     sharded = False  # every rank holds whole tensors (FSDPGradients: a shard of each)
+    measured = None  # no measurement taken during backward: the scaler reads the gradients
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.module = model
@@ -64,6 +66,13 @@ class DDPGradients:
         )
         self.hook = register_ddp_hook(self.module, norm_type=norm_type)
         self.optimizer = optimizer
+
+    @property
+    def measured(self):
+        """The hook's state, for the scaler's clip to take the norm and inf/NaN flag it measured
+        during backward (``unscale_and_clip_(..., measured=)``): inside the Trainer's step no
+        user code runs between backward and the clip, so nothing can have touched the gradients."""
+        return self.hook
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -274,6 +274,7 @@ class FSDPGradients:
     ``sharded = True``. Shards ``model`` in place; re-points ``optimizer`` (module docs)."""
 
     sharded = True
+    measured = None  # no measurement taken during backward: the scaler reads the shards
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group, config: TrainConfig):
         from torch.distributed.device_mesh import DeviceMesh

@@ -83,10 +83,11 @@ class SpikeSkipper:
 
     def __init__(self, window: int = 128, threshold: float = 6.0, warmup: int = 64):
         self.window, self.threshold, self.warmup = check_skip_spikes((window, threshold, warmup))
-        # Rows: loss, grad norm. Unused slots are NaN. float64: the statistics of a long run.
-        self._values = torch.full((2, self.window), math.nan, dtype=torch.float64)
-        self._count = torch.zeros((), dtype=torch.int64)  # values kept so far (spikes excluded)
-        self.flag = torch.zeros((), dtype=torch.float32)  # 1.0 when the last step checked spiked
+        # Rows: loss, grad norm. Unused slots are NaN. float64: the statistics of a long run. On
+        # the CPU until the first step's device is known (check_ moves them).
+        self._values = torch.full((2, self.window), math.nan, dtype=torch.float64, device="cpu")
+        self._count = torch.zeros((), dtype=torch.int64, device="cpu")  # values kept so far (spikes excluded)
+        self.flag = torch.zeros((), dtype=torch.float32, device="cpu")  # 1.0 when the last step checked spiked
 
     def check_(self, loss: Tensor, grad_norm: Tensor) -> Tensor:
         """Whether this step's ``loss`` and ``grad_norm`` (0-d, on the device) make a spike: a

@@ -363,11 +363,13 @@ class Trainer:
 
     def _unscale_and_clip(self, divisor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm before clipping, found_inf), on the device. With a fused optimizer nothing is
-        written: the unscale and the clip are applied by ``scaler.step`` inside its read."""
+        written: the unscale and the clip are applied by ``scaler.step`` inside its read. Under
+        DDP the norm is the one gradfuse's hook measured in backward, handed over: no user code
+        ran since, so nothing can have touched the gradients (nothing reads them either)."""
         limit = self.clip_policy if self.clip_policy is not None else self._max_norm
         self.probe = self._layer_probe(limit)
         grad_norm = self.scaler.unscale_and_clip_(
-            self.optimizer, self.probe or limit, self.config.norm_type, divisor=divisor
+            self.optimizer, self.probe or limit, self.config.norm_type, divisor=divisor, measured=self.grads.measured
         )
         return grad_norm, self.scaler.found_inf(self.optimizer)
 
