@@ -111,12 +111,18 @@ class HostFamily(Family):
         return self.set_bytes  # the norm's read; an inactive clip writes nothing
 
     def bind(self, fn, state, k):
-        os.environ["GRADFUSE_BACKEND"] = "triton" if state.impl.endswith(STANDIN) else "auto"
+        if state.impl.endswith(STANDIN):  # this call through the Triton backend (put back in verify)
+            self._backend = os.environ.get("GRADFUSE_BACKEND")
+            os.environ["GRADFUSE_BACKEND"] = "triton"
         max_norm = self.max_norm
         return lambda: fn(state, max_norm)
 
     def verify(self, out, state, k):
-        os.environ["GRADFUSE_BACKEND"] = "auto"
+        if state.impl.endswith(STANDIN):
+            if self._backend is None:
+                del os.environ["GRADFUSE_BACKEND"]
+            else:
+                os.environ["GRADFUSE_BACKEND"] = self._backend
         if self.api == "scaler":
             state.scaler.update()  # ready for the next call (untimed)
         if state.impl.endswith(STANDIN):
