@@ -255,6 +255,7 @@ struct Probes {
     dtype: Getter,
     nbytes: Getter,
     version: Getter,
+    grad: Getter,
     data_ptr: Method,
     is_contiguous: Method,
     /// torch's dtype objects of codes 0..=3, and the plain tensor types.
@@ -330,8 +331,8 @@ fn method_of(descr: &Bound<'_, PyAny>, name: &str) -> Option<Method> {
     }
 }
 
-/// Sets the probes of [`TensorList::probe`]: `getters` are torch's getset descriptors `dtype`,
-/// `nbytes` and `_version`, `methods` its method descriptors `data_ptr` and `is_contiguous` (as
+/// Sets the probes of [`TensorList::probe`], [`grads_are`] and [`addrs_are`]: `getters` are
+/// torch's getset descriptors `dtype`, `nbytes`, `_version` and `grad`, `methods` its method descriptors `data_ptr` and `is_contiguous` (as
 /// `torch.Tensor` resolves them), `dtypes` the dtype objects of codes 0..=3 and `plain` the tensor
 /// types probed. Returns False, setting nothing, when any descriptor is not what a probe can call
 /// directly (a Python that lays descriptors out otherwise, a torch that defines them otherwise):
@@ -344,12 +345,15 @@ fn set_probes(
     dtypes: Vec<Py<PyAny>>,
     plain: Vec<Py<PyAny>>,
 ) -> PyResult<bool> {
-    if getters.len() != 3 || methods.len() != 2 || dtypes.len() != 4 {
-        return Err(PyValueError::new_err("set_probes: 3 getters, 2 methods, 4 dtypes"));
+    if getters.len() != 4 || methods.len() != 2 || dtypes.len() != 4 {
+        return Err(PyValueError::new_err("set_probes: 4 getters, 2 methods, 4 dtypes"));
     }
-    let (Some(dtype), Some(nbytes), Some(version)) =
-        (getter_of(&getters[0], "dtype"), getter_of(&getters[1], "nbytes"), getter_of(&getters[2], "_version"))
-    else {
+    let (Some(dtype), Some(nbytes), Some(version), Some(grad)) = (
+        getter_of(&getters[0], "dtype"),
+        getter_of(&getters[1], "nbytes"),
+        getter_of(&getters[2], "_version"),
+        getter_of(&getters[3], "grad"),
+    ) else {
         return Ok(false);
     };
     let (Some(data_ptr), Some(is_contiguous)) =
@@ -358,8 +362,71 @@ fn set_probes(
         return Ok(false);
     };
     let empty = PyTuple::empty(py).unbind();
-    let _ = PROBES.set(py, Probes { dtype, nbytes, version, data_ptr, is_contiguous, dtypes, plain, empty });
+    let _ = PROBES.set(py, Probes { dtype, nbytes, version, grad, data_ptr, is_contiguous, dtypes, plain, empty });
     Ok(true)
+}
+
+/// Whether `params[i].grad is grads[i]` for every `i` (the lists of equal length), read through
+/// torch's `grad` getter in one pass; None when the probes are not set. A parameter that is not a
+/// plain tensor, or whose getter raises, makes it False.
+#[pyfunction]
+fn grads_are(py: Python<'_>, params: &Bound<'_, PyList>, grads: &Bound<'_, PyList>) -> Option<bool> {
+    let probes = PROBES.get(py)?;
+    if params.len() != grads.len() {
+        return Some(false);
+    }
+    for (p, g) in params.iter().zip(grads.iter()) {
+        // SAFETY: `p` is live (the list holds it), the GIL is held, and the getter is called on
+        // plain tensors only; the new reference is released.
+        let same = unsafe {
+            let ptr = p.as_ptr();
+            let ty = ffi::Py_TYPE(ptr) as *mut ffi::PyObject;
+            if !probes.plain.iter().any(|t| t.as_ptr() == ty) {
+                return Some(false);
+            }
+            let Some(grad) = probes.get(&probes.grad, ptr) else { return Some(false) };
+            let same = grad == g.as_ptr();
+            ffi::Py_DECREF(grad);
+            same
+        };
+        if !same {
+            return Some(false);
+        }
+    }
+    Some(true)
+}
+
+/// Whether `tensors[i].data_ptr() == addrs[i]` for every `i`, through torch's `data_ptr` in one
+/// pass; None when the probes are not set. A tensor that is not plain, or whose `data_ptr` raises,
+/// makes it False.
+#[pyfunction]
+fn addrs_are(py: Python<'_>, tensors: &Bound<'_, PyList>, addrs: Vec<usize>) -> Option<bool> {
+    let probes = PROBES.get(py)?;
+    if tensors.len() != addrs.len() {
+        return Some(false);
+    }
+    for (t, &want) in tensors.iter().zip(&addrs) {
+        // SAFETY: as in `grads_are`.
+        let same = unsafe {
+            let ptr = t.as_ptr();
+            let ty = ffi::Py_TYPE(ptr) as *mut ffi::PyObject;
+            if !probes.plain.iter().any(|p| p.as_ptr() == ty) {
+                return Some(false);
+            }
+            let Some(addr) = probes.call(&probes.data_ptr, ptr) else { return Some(false) };
+            let value = ffi::PyLong_AsSize_t(addr);
+            ffi::Py_DECREF(addr);
+            if value == usize::MAX && !ffi::PyErr_Occurred().is_null() {
+                ffi::PyErr_Clear();
+                return Some(false);
+            }
+            value == want
+        };
+        if !same {
+            return Some(false);
+        }
+    }
+    Some(true)
 }
 
 impl Probes {
@@ -737,6 +804,8 @@ fn on_openmp() -> bool {
 fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TensorList>()?;
     m.add_function(wrap_pyfunction!(set_probes, m)?)?;
+    m.add_function(wrap_pyfunction!(grads_are, m)?)?;
+    m.add_function(wrap_pyfunction!(addrs_are, m)?)?;
     m.add_function(wrap_pyfunction!(norm, m)?)?;
     m.add_function(wrap_pyfunction!(unscale_check_norm, m)?)?;
     m.add_function(wrap_pyfunction!(stats, m)?)?;

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from operator import attrgetter
+from operator import attrgetter, is_
 
 import torch
 
@@ -31,6 +31,7 @@ _dtype = attrgetter("dtype")
 _layout = attrgetter("layout")
 _version = attrgetter("_version")
 _device = attrgetter("device")
+_grad = attrgetter("grad")
 
 
 class UnsupportedTensorError(TypeError):
@@ -315,11 +316,8 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
 def _confirm(kept: list[Plan], tensors: list[Tensor], device) -> Plan | None:
     """The kept plan (of one key) that describes ``tensors``, moved to their addresses if they
     moved, or None."""
-    global _PROBES
     writing = kept[0].inplace and not torch.is_inference_mode_enabled()
-    if _PROBES is None:
-        _PROBES = _set_probes()
-    if _PROBES:
+    if probes():
         # One pass of the Rust core through torch's own getters: None, True (the same
         # addresses) or the addresses.
         for plan in kept:
@@ -367,12 +365,35 @@ def _checked_devices(plan: Plan, tensors: list[Tensor], device) -> Plan | None:
     return plan
 
 
+def probes() -> bool:
+    """Whether the Rust core probes tensors through torch's getters (set up on first use)."""
+    global _PROBES
+    if _PROBES is None:
+        _PROBES = _set_probes()
+    return _PROBES
+
+
+def grads_are(params: list, grads: list) -> bool:
+    """Whether ``params[i].grad is grads[i]`` for every ``i``: one Rust pass through torch's
+    getter, or C-level maps."""
+    if probes():
+        return _rust().grads_are(params, grads)
+    return len(params) == len(grads) and all(map(is_, map(_grad, params), grads))
+
+
+def addrs_are(tensors: list, addrs: list[int]) -> bool:
+    """Whether ``tensors[i].data_ptr() == addrs[i]`` for every ``i`` (one pass, as above)."""
+    if probes():
+        return _rust().addrs_are(tensors, addrs)
+    return list(map(_data_ptr, tensors)) == addrs
+
+
 def _set_probes() -> bool:
     """Hands the Rust core torch's attribute getters for :func:`_confirm` (False: a Python or
     torch where they cannot be called directly; the probes are then C-level maps)."""
     try:
         return _rust().set_probes(
-            [Tensor.dtype, Tensor.nbytes, Tensor._version],
+            [Tensor.dtype, Tensor.nbytes, Tensor._version, Tensor.grad],
             [Tensor.data_ptr, Tensor.is_contiguous],
             list(DTYPE_CODES),
             [Tensor, torch.nn.Parameter],

@@ -528,7 +528,7 @@ class GradBuckets:
     def _all_live(self) -> bool:
         """Whether every gradient is its live slot view (and no frozen parameter has one): the
         buffers then hold exactly the gradients, and gaps are zero."""
-        if not all(map(operator.is_, map(_grad, self._grad_params), self._grad_views)):
+        if not P.grads_are(self._grad_params, self._grad_views):
             return False
         if self._main_params:
             try:
@@ -536,7 +536,7 @@ class GradBuckets:
                     return False
             except AttributeError:  # a main_grad deleted
                 return False
-        if list(map(Tensor.data_ptr, self._views)) != self._ptrs:
+        if not P.addrs_are(self._views, self._ptrs):
             return False
         return not self._frozen or all(map(operator.is_, map(_grad, self._frozen), repeat(None)))
 
