@@ -360,3 +360,17 @@ def test_the_drop_in_clip_plans_once_over_gradients_made_again(backend, monkeypa
         if step == 0:
             first = len(built)
     assert len(built) == first == 1, built
+
+
+def test_a_plan_moved_at_every_step_keeps_no_chain_of_tables(backend):
+    """Gradients made again at every step move the plan every call: each moved plan takes what
+    its predecessor derived (the chunk table, to move) and nothing older."""
+    grads = [torch.randn(7), torch.randn(3, 3)]
+    plans = []
+    for _ in range(6):
+        grads = [g.clone() for g in grads]  # new memory, as backward makes after zero_grad(set_to_none)
+        gradfuse.multi_tensor_norm(grads)
+        plans.append(_plan.make_plan("t", "tensors", grads, inplace=False))
+    for plan in plans[1:]:
+        inherited = plan.memo.get("moved_from", {})
+        assert "moved_from" not in inherited

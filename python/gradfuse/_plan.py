@@ -150,7 +150,11 @@ class Plan:
             setattr(other, slot, getattr(self, slot))
         other.addrs, other.tensor_list = addrs, tensor_list
         other.inference, other.tensors, other.writeback, other.copied = False, None, [], False
-        other.memo = {"moved_from": self.memo}
+        # What this plan derived, and what it had still to take from the plan it moved from: one
+        # level, so that a list moving at every step (a training loop) keeps no chain of tables.
+        inherited = {**self.memo.get("moved_from", {}), **self.memo}
+        inherited.pop("moved_from", None)
+        other.memo = {"moved_from": inherited}
         return other
 
 
