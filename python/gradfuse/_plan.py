@@ -1,15 +1,18 @@
-"""Validation of tensor-list arguments and the memory description both backends consume.
+"""Plans: what a tensor-list argument is, validated once and kept (:func:`make_plan`).
 
 Every `gradfuse::` op turns each tensor-list argument into a :class:`Plan` before any kernel
-runs: dtypes, devices, layouts and (for in-place targets) overlap are checked here, and a bad
-argument raises an exception naming the op, the argument and the index, with nothing modified.
-The per-tensor work is done with C-level ``map`` over tensor methods: at 2000 tensors each
-attribute costs ~100 us, so the plan reads as few as it can (measured on the CI machine).
+runs: dtypes, devices, layouts and (for in-place targets) overlap are checked when a plan is
+made, and a bad argument raises an exception naming the op, the argument and the index, with
+nothing modified. Plans of contiguous lists are kept, holding no tensor, and confirmed at every
+later call in one pass (the Rust core through torch's own attribute getters, or C-level maps):
+the same kind of tensors at the same addresses use the plan as it is, at other addresses a moved
+copy, anything else a new plan. The scalar-argument checks the ops share live here too.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from operator import attrgetter, is_
 
@@ -264,6 +267,7 @@ _PLANS: dict[tuple, list[Plan]] = {}
 #: Keys kept, and plans per key.
 CACHE_SIZE = 64
 PLANS_PER_KEY = 4
+_LOCK = threading.Lock()
 
 _PLAIN = frozenset({Tensor, torch.nn.Parameter})
 _data_ptr = Tensor.data_ptr
@@ -304,10 +308,11 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
             plan = _confirm(kept, tensors, device) if kept else None
             if plan is not None:
                 if plan is not kept[0]:
-                    if plan in kept:
-                        kept.remove(plan)
-                    kept.insert(0, plan)
-                    del kept[PLANS_PER_KEY:]
+                    with _LOCK:  # the DDP hook plans on its own thread
+                        if plan in kept:
+                            kept.remove(plan)
+                        kept.insert(0, plan)
+                        del kept[PLANS_PER_KEY:]
                 return plan
     except _PROBE_ERRORS:
         pass  # planned anew, which names the problem
@@ -412,12 +417,13 @@ def _device_index(device: torch.device) -> int:
 
 def _keep(plan: Plan) -> None:
     key = (plan.inplace, len(plan), plan.nbytes[0], plan.nbytes[-1])
-    kept = _PLANS.pop(key, [])
-    kept.insert(0, plan)
-    del kept[PLANS_PER_KEY:]
-    while len(_PLANS) >= CACHE_SIZE:
-        del _PLANS[next(iter(_PLANS))]  # the least recently made or moved key
-    _PLANS[key] = kept
+    with _LOCK:
+        kept = _PLANS.pop(key, [])
+        kept.insert(0, plan)
+        del kept[PLANS_PER_KEY:]
+        while len(_PLANS) >= CACHE_SIZE:
+            del _PLANS[next(iter(_PLANS))]  # the least recently made or moved key
+        _PLANS[key] = kept
 
 
 def clear_plans() -> None:
