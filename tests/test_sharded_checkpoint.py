@@ -37,6 +37,7 @@ SCENARIOS = [
     "fsdp_trainer_saved_for_one_rank",
     "fsdp_trainer_resumes_a_one_rank_checkpoint",
     "ranks_resuming_from_a_folder_and_a_file_all_raise",
+    "fsdp_trainer_folder_has_one_owner_on_every_rank",
 ]
 
 
