@@ -422,6 +422,30 @@ def ranks_resuming_from_a_folder_and_a_file_all_raise(rank, world):
         assert f"rank 0: {(folder / 'step-00000002').resolve()}" in str(err), err
 
 
+def fsdp_trainer_folder_has_one_owner_on_every_rank(rank, world):
+    """Rank 0 holds the folder's lock while an FSDP2 Trainer runs: a second Trainer on it is
+    refused on every rank at once (no rank left waiting in a save's collectives); after the
+    first finished, a fresh run is refused the folder of its step folders on every rank, and a
+    resume takes it."""
+    from gradfuse.train.lock import CheckpointFolderInUse
+    from gradfuse.train.ownership import CheckpointFolderTaken
+
+    folder = shared_folder("one-owner")
+    first = fsdp_trainer(folder, rank, world)
+    assert (first.lock is not None and first.lock.held) == (rank == 0)
+    for refused, kind in [("in use by a gradfuse.Trainer", CheckpointFolderInUse), ("another run", None)]:
+        if kind is None:
+            first.fit()
+            kind = CheckpointFolderTaken
+        try:
+            fsdp_trainer(folder, rank, world)
+            raise AssertionError(f"a second Trainer was given {folder}")
+        except (checkpoint.CheckpointError, kind) as err:
+            assert refused in str(err) and isinstance(err, kind) == (rank == 0), err
+    assert [p.name for p in checkpoint.list_checkpoints(folder)] == ["step-00000002", "step-00000004"]
+    assert fsdp_trainer(folder, rank, world, resume="latest").step == 4
+
+
 def fsdp_trainer_saved_for_one_rank(rank, world):
     """Saves a 2-rank Trainer checkpoint (step 2) and its full tensors, for the pytest process to
     resume alone (``test_fsdp_trainer_two_ranks_to_one``)."""

@@ -22,6 +22,9 @@ SCENARIOS = [
     "ddp_recompute_that_does_not_reproduce_names_no_rank",
     "ddp_recompute_starts_each_forward_from_its_own_random_state",
     "fsdp2_shards_report_the_ranks_that_hold_them",
+    "ddp_recompute_puts_back_a_buffer_forward_replaces",
+    "ddp_recompute_puts_back_python_and_numpy_random",
+    "nonfinite_rerun_off_runs_nothing_again",
 ]
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

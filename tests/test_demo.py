@@ -52,6 +52,13 @@ def test_demo_command_trains_and_writes_metrics_checkpoint_and_chart(tmp_path, c
     assert [r["step"] for r in rows] == [1, 8, 10] and "eval_loss" in rows[-1]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000008.pt", "step-00000010.pt"]
 
+    # Again without --resume: the folder holds that run's checkpoints, and the demo says what to do.
+    capsys.readouterr()
+    assert main(["demo", "--steps", "2", "--out", str(out), "--batch-size", "8"]) == 2
+    assert "--resume, or delete them and start over with --start-over" in capsys.readouterr().err
+    assert main(["demo", "--steps", "2", "--out", str(out), "--batch-size", "8", "--start-over"]) == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001.pt", "step-00000002.pt"]
+
 
 def test_demo_rejects_a_bad_resume_and_bad_steps(tmp_path, capsys):
     assert main(["demo", "--steps", "0", "--out", str(tmp_path)]) == 2

@@ -41,6 +41,7 @@ SCENARIOS = [
     "fsdp_trainer_with_idle_parameters_saved_for_one_rank",
     "fsdp_trainer_with_idle_parameters_resumes_a_one_rank_checkpoint",
     "a_checkpoint_that_does_not_fit_raises_checkpoint_error_on_every_rank",
+    "fsdp_trainer_folder_has_one_owner_on_every_rank",
 ]
 
 

@@ -21,6 +21,10 @@ SCENARIOS = [
     "token_exact_accumulation_over_ranks_and_micro_batches",
     "a_signal_on_one_rank_stops_every_rank_after_the_same_step",
     "health_features_agree_across_ranks",
+    "ranks_that_find_different_latest_checkpoints_all_raise",
+    "rank_0_holds_the_folder_and_a_second_trainer_is_refused_on_every_rank",
+    "unused_parameters_train_with_the_ddp_option_and_its_error_names_the_field",
+    "a_parameter_used_on_one_rank_only_gives_one_process_result",
 ]
 
 

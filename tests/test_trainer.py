@@ -324,11 +324,28 @@ class _Mean(torch.nn.Module):
         ("device", "gpu:0", ValueError, "device is not a torch device"),
         ("progress", "yes", TypeError, "progress must be True or False"),
         ("max_nan_losses", 0, ValueError, "max_nan_losses must be at least 1"),
+        ("nonfinite_rerun", 1, TypeError, "nonfinite_rerun must be True or False, got 1"),
+        ("find_unused_parameters", "yes", TypeError, "find_unused_parameters must be True or False"),
+        ("static_graph", None, TypeError, "static_graph must be True or False"),
     ],
 )
 def test_impossible_config_values_are_rejected_naming_the_field(field, value, error, message):
     with pytest.raises(error, match="TrainConfig." + message.replace("(", r"\(")):
         TrainConfig(max_steps=10, **{field: value}) if field != "max_steps" else TrainConfig(max_steps=value)
+
+
+@pytest.mark.parametrize("field", ["find_unused_parameters", "static_graph"])
+def test_ddp_options_are_refused_under_fsdp(field):
+    """FSDP2 reduces the gradients it has: DDP's options would be silently ignored there."""
+    with pytest.raises(ValueError, match=f"TrainConfig.{field} applies to parallel='ddp' only .*parallel='fsdp'"):
+        TrainConfig(parallel="fsdp", **{field: True})
+    assert getattr(TrainConfig(**{field: True}), field) is True  # parallel="ddp", the default
+
+
+def test_a_static_graph_is_refused_with_accumulation():
+    """torch's DDP breaks under no_sync() with static_graph=True (pytorch/pytorch#143580)."""
+    with pytest.raises(ValueError, match=r"TrainConfig.static_graph cannot be combined with grad_accum_steps=2"):
+        TrainConfig(static_graph=True, grad_accum_steps=2)
 
 
 def test_trainer_wants_a_trainconfig():

@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gradfuse.train import TrainConfig, Trainer, TrainingInterrupted, lr_factor
+from gradfuse.train import CheckpointError, TrainConfig, Trainer, TrainingInterrupted, list_checkpoints, lr_factor
+from gradfuse.train.lock import CheckpointFolderInUse
 
 STEPS, ACCUM, PER_RANK = 4, 2, 4
 
@@ -242,3 +243,171 @@ def health_features_agree_across_ranks(rank, world):
     both = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(both, mine)
     assert torch.equal(both[0], both[1])
+
+
+# --- the checkpoint folder under DDP ------------------------------------------------------------
+
+
+def ranks_that_find_different_latest_checkpoints_all_raise(rank, world):
+    """resume="latest" where rank 0 finds a checkpoint and rank 1 finds none (each rank was given
+    its own folder: not a file system they share): every rank raises, naming what each found.
+    a96b1fb: rank 1 skipped the load, and rank 0 waited for it in the load's collective."""
+    folder = shared_folder(f"latest-rank{rank}")
+    batches = my_share(combined_batches(STEPS * ACCUM, PER_RANK * world), rank, world)
+    try:
+        net = model()
+        Trainer(net, torch.optim.AdamW(net.parameters()), batches, settings(max_steps=1, checkpoint_dir=folder),
+                loss_fn=mse).fit()  # fmt: skip
+        assert [p.name for p in list_checkpoints(folder)] == (["step-00000001.pt"] if rank == 0 else [])
+        net = model()
+        try:
+            Trainer(net, torch.optim.AdamW(net.parameters()), batches, settings(checkpoint_dir=folder), loss_fn=mse,
+                    resume="latest")  # fmt: skip
+            raise AssertionError("the ranks resumed differently")
+        except CheckpointError as err:
+            assert "the ranks would not resume alike" in str(err) and "rank 1: no checkpoint" in str(err), err
+    finally:
+        dist.barrier()
+        shutil.rmtree(folder.parent, ignore_errors=True)
+
+
+def rank_0_holds_the_folder_and_a_second_trainer_is_refused_on_every_rank(rank, world):
+    """Rank 0 holds the checkpoint folder's lock while the Trainer runs (the other ranks write
+    nothing there); a second Trainer on the folder is refused on every rank at once, and the
+    first trains and saves untouched."""
+    folder = shared_folder("lock")
+    batches = my_share(combined_batches(STEPS * ACCUM, PER_RANK * world), rank, world)
+    try:
+        net = model()
+        first = Trainer(net, torch.optim.AdamW(net.parameters()), batches, settings(checkpoint_dir=folder), loss_fn=mse)
+        assert (first.lock is not None and first.lock.held) == (rank == 0)
+        other = model()
+        try:
+            Trainer(other, torch.optim.AdamW(other.parameters()), batches, settings(checkpoint_dir=folder),
+                    loss_fn=mse)  # fmt: skip
+            raise AssertionError("a second Trainer took the folder")
+        except (CheckpointFolderInUse, CheckpointError) as err:
+            assert isinstance(err, CheckpointFolderInUse) == (rank == 0), err
+            assert f"{folder} is in use by a gradfuse.Trainer (pid" in str(err), err
+        first.fit()
+        dist.barrier()
+        assert [p.name for p in list_checkpoints(folder)] == [f"step-{STEPS:08d}.pt"]
+        assert not first.lock or not first.lock.held
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+class WithUnused(nn.Module):
+    """``model()`` beside a layer that forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = model()
+        self.unused = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def one_process_with_unused(combined: list, accum: int) -> tuple[nn.Module, list[float], list[float]]:
+    """``WithUnused`` trained by hand in one process on the combined batches (torch's clip; the
+    unused parameters have no gradient): (model, losses, norms)."""
+    ref = WithUnused()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for step in range(STEPS):
+        for group in opt.param_groups:
+            group["lr"] = 1e-2 * lr_factor(step, max_steps=STEPS, warmup_steps=1, schedule="cosine", min_lr_ratio=0.0)
+        opt.zero_grad()
+        loss = 0.0
+        for micro in range(accum):
+            micro_loss = mse(ref, combined[step * accum + micro]) / accum
+            micro_loss.backward()
+            loss += micro_loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
+        opt.step()
+        losses.append(loss)
+    assert ref.unused.weight.grad is None
+    return ref, losses, norms
+
+
+def unused_parameters_train_with_the_ddp_option_and_its_error_names_the_field(rank, world):
+    """A model with an unused parameter: with TrainConfig(find_unused_parameters=True) (and
+    accumulation), or static_graph=True (one micro-batch a step), it trains on 2 ranks as one
+    process does on the combined batch: the losses, the norm gradfuse's hook measured with the
+    unused parameter's slot in its bucket, the weights (the unused ones untouched). Without
+    either, DDP's error at the second step names the TrainConfig field (a96b1fb: DDP's own
+    message, naming a keyword the Trainer did not take)."""
+    for option, accum in (("find_unused_parameters", ACCUM), ("static_graph", 1)):
+        combined = combined_batches(STEPS * accum, PER_RANK * world)
+        ref, losses, norms = one_process_with_unused(combined, accum)
+        net = WithUnused()
+        unused = [p.detach().clone() for p in net.unused.parameters()]
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        cfg = settings(grad_accum_steps=accum, **{option: True})
+        rows = Trainer(net, opt, my_share(combined, rank, world), cfg, loss_fn=mse).fit()
+        torch.testing.assert_close([r["loss"] for r in rows], losses, rtol=1e-5, atol=0)
+        torch.testing.assert_close([r["grad_norm"] for r in rows], norms, rtol=1e-5, atol=0)
+        for a, b in zip(net.used.parameters(), ref.used.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert all(torch.equal(a, b) for a, b in zip(unused, net.unused.parameters(), strict=True)), option
+    net = WithUnused()
+    combined = combined_batches(STEPS * ACCUM, PER_RANK * world)
+    trainer = Trainer(net, torch.optim.AdamW(net.parameters()), my_share(combined, rank, world), settings(),
+                      loss_fn=mse)  # fmt: skip
+    try:
+        trainer.fit()
+        raise AssertionError("DDP trained a model with an unused parameter without find_unused_parameters")
+    except RuntimeError as err:
+        assert "TrainConfig(find_unused_parameters=True)" in str(err), err
+        assert "Expected to have finished reduction" in str(err), err  # DDP's own message follows
+        assert trainer.step == 1, trainer.step
+
+
+class Sometimes(nn.Module):
+    """``model()`` and a last layer that forward uses only when told (``use``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = model()
+        self.extra = nn.Linear(2, 2)
+
+    def forward(self, x, use: bool):
+        h = self.used(x)
+        return self.extra(h) if use else h
+
+
+def a_parameter_used_on_one_rank_only_gives_one_process_result(rank, world):
+    """find_unused_parameters=True with a layer that rank 0 uses and rank 1 does not: DDP
+    reduces rank 0's gradient with rank 1's zero slot, and the norm gradfuse's hook measures
+    (a gradient present on one rank, absent on the other) and the weights are those of one
+    process on both halves of the batch (torch's clip)."""
+
+    def loss_fn(model, batch):
+        x, y, use = batch
+        return F.mse_loss(model(x, use), y)
+
+    combined = combined_batches(STEPS * ACCUM, PER_RANK * world)
+    halves = [my_share(combined, r, world) for r in range(world)]
+    net = Sometimes()
+    mine = [(x, y, rank == 0) for x, y in halves[rank]]
+    cfg = settings(find_unused_parameters=True)
+    rows = Trainer(net, torch.optim.AdamW(net.parameters(), lr=1e-2), mine, cfg, loss_fn=loss_fn).fit()
+    ref = Sometimes()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    norms = []
+    for step in range(STEPS):
+        for group in opt.param_groups:
+            group["lr"] = 1e-2 * lr_factor(step, max_steps=STEPS, warmup_steps=1, schedule="cosine", min_lr_ratio=0.0)
+        opt.zero_grad()
+        for micro in range(ACCUM):
+            for r in range(world):
+                x, y = halves[r][step * ACCUM + micro]
+                (loss_fn(ref, (x, y, r == 0)) / world / ACCUM).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
+        opt.step()
+    torch.testing.assert_close([r["grad_norm"] for r in rows], norms, rtol=1e-5, atol=0)
+    for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

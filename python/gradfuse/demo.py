@@ -27,7 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .train import CheckpointError, TrainConfig, Trainer, TrainingInterrupted, latest_checkpoint
+from .train import (
+    CheckpointError,
+    CheckpointFolderInUse,
+    CheckpointFolderTaken,
+    TrainConfig,
+    Trainer,
+    TrainingInterrupted,
+    latest_checkpoint,
+)
 
 TEXT_BYTES = 4 * 2**20  # how much of the standard library to read
 HELD_OUT_EVERY = 20  # every 20th window is held out for evaluation (256 of them are used)
@@ -161,6 +169,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CHECKPOINT",
         help="continue from a checkpoint (a file, or a sharded folder), or (no value) from the newest under --out",
     )
+    parser.add_argument(
+        "--start-over",
+        action="store_true",
+        help="delete the checkpoints an earlier run left under --out and train from step 0",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument(
         "--out", type=Path, default=Path("gradfuse-demo"), help="output folder (default: ./gradfuse-demo)"
@@ -178,6 +191,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         print(f"gradfuse demo: error: --steps must be at least 1, got {args.steps}", file=sys.stderr)
+        return 2
+    if args.start_over and args.resume:
+        print("gradfuse demo: error: --resume continues a run, --start-over deletes it: give one", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -249,8 +265,17 @@ def run(args: argparse.Namespace) -> int:
         f"of {args.batch_size * world}x{gpt.ctx} bytes, {args.precision} on {where}"
     )
     try:
-        trainer = Trainer(model, optimizer, train, config, eval_data=eval_batches, resume=args.resume)
-    except (CheckpointError, FileNotFoundError, OSError) as err:
+        trainer = Trainer(
+            model, optimizer, train, config, eval_data=eval_batches, resume=args.resume, start_over=args.start_over
+        )
+    except CheckpointFolderTaken:
+        print(
+            f"gradfuse demo: error: {config.checkpoint_dir} holds the checkpoints of an earlier run: continue it with "
+            f"--resume, or delete them and start over with --start-over (or give another --out)",
+            file=sys.stderr,
+        )
+        return 2
+    except (CheckpointError, CheckpointFolderInUse, FileNotFoundError, OSError) as err:
         print(f"gradfuse demo: error: {err}", file=sys.stderr)
         return 2
     start = time.perf_counter()

@@ -21,25 +21,36 @@ Where the gradients come from decides how the ranks are found:
   the first, which every rank runs alike), each from the random state its forward began with,
   and with the step's loss scale (the scaler has not updated yet); the local non-finite counts
   are all-gathered with a flag saying whether the recompute reproduced the step's loss, bit for
-  bit. The module buffers, the random state and DDP's buffer-sync flag are put back afterwards
-  and the gradients cleared.
+  bit. Afterwards every parameter and buffer of the model is put back by name (the tensor the
+  module held, even where forward replaced it, e.g. ``self.ema = 0.9 * self.ema + ...``, with
+  the values it had), and so are torch's CPU and CUDA generators, Python's ``random`` and
+  numpy's global generator (each micro-batch's forward also starts from the states of all
+  three that it began with) and DDP's buffer-sync flag; the gradients are cleared. With
+  ``TrainConfig(nonfinite_rerun=False)`` nothing is re-run (nor kept on a finite step): the row
+  names the parameters, and no rank.
 
 The row gains ``nonfinite_grads`` (the parameters whose step gradient held inf/NaN),
 ``nonfinite_ranks`` (``{name: [ranks]}``, or None when the ranks could not be found) and, when
 there is something to say, ``nonfinite_note``.
 
 What a recompute costs and where it can be wrong (it runs only on a flagged step): one more
-forward and backward of the step's micro-batches, during which ``loss_fn`` and the model's
-forward run again (a ``loss_fn`` with side effects, counting calls for example, sees them twice).
-It restores torch's CPU and CUDA generators, not Python's ``random`` or numpy's, and the module
-buffers as they were after the step, not before it (BatchNorm in training mode does not read
-them; a forward that reads a buffer it changes would differ). A recompute whose loss differs
-from the step's on any rank, that raises, or whose non-finite gradients are not among the step's
-is reported as not reproduced, and no rank is named.
+forward and backward of the step's micro-batches, and a copy of the parameters and buffers
+while it runs (on their device: the model's size once more; if that copy does not fit, nothing
+is re-run and the row says so). What it cannot put back is what lives outside the model's
+parameters and buffers and the three global generators: forward hooks and ``loss_fn`` run
+again and see the extra calls (a counter of calls counts them), plain Python attributes a
+forward changes (``self.calls += 1``), generators of your own (``torch.Generator`` objects),
+files or logs written in forward. The buffers are those after the step, not before it
+(BatchNorm in training mode does not read them; a forward that reads a buffer it changes would
+differ). A recompute whose loss differs from the step's on any rank, that raises, or whose
+non-finite gradients are not among the step's is reported as not reproduced, and no rank is
+named.
 """
 
 from __future__ import annotations
 
+import random
+import sys
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -136,18 +147,51 @@ def nonfinite_report(named_grads: NamedGrads, group=None) -> dict[str, list[int]
 # --- the Trainer's attribution ------------------------------------------------------------------
 
 
-def _rng_states(device: torch.device) -> tuple[Tensor, Tensor | None]:
-    # Both are host-side copies: the CPU generator's state, and a CUDA generator's seed and
-    # Philox offset (kept on the host by torch); neither waits for the device.
+RngStates = tuple  # (torch CPU, CUDA or None, Python's random, numpy's or None)
+
+
+def _rng_states(device: torch.device) -> RngStates:
+    # All host-side copies: the CPU generator's state, a CUDA generator's seed and Philox offset
+    # (kept on the host by torch), Python's and numpy's (only if the program imported numpy);
+    # none waits for the device.
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+    numpy = sys.modules.get("numpy")
+    return torch.get_rng_state(), cuda, random.getstate(), numpy.random.get_state() if numpy is not None else None
 
 
-def _set_rng_states(states: tuple[Tensor, Tensor | None], device: torch.device) -> None:
-    cpu, cuda = states
+def _set_rng_states(states: RngStates, device: torch.device) -> None:
+    cpu, cuda, python, numpy = states
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda, device)
+    random.setstate(python)
+    if numpy is not None:
+        sys.modules["numpy"].random.set_state(numpy)
+
+
+class _ModelState:
+    """Every parameter and buffer of a model, by the module that holds it and its name: the
+    tensor itself and a copy of its values, to put both back after a recompute (a forward may
+    write a buffer in place, or replace it: ``self.ema = 0.9 * self.ema + ...``)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.kept = []
+        with torch.no_grad():
+            for module in model.modules():
+                for table in (module._parameters, module._buffers):
+                    names = list(table)
+                    saved = [(t, None if t is None else t.detach().clone()) for t in table.values()]
+                    self.kept.append((table, names, saved))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for table, names, saved in self.kept:
+                for name in [n for n in table if n not in names]:  # registered by the recompute
+                    del table[name]
+                for name, (tensor, values) in zip(names, saved, strict=True):
+                    table[name] = tensor
+                    if tensor is not None:
+                        tensor.copy_(values)
 
 
 class NonfiniteAttribution:
@@ -155,17 +199,18 @@ class NonfiniteAttribution:
     wrapping: FSDP2's parameters are DTensors by then) training on ``device`` in ``group`` of
     ``world_size`` ranks (None, 1: one process)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, group, world_size: int):
+    def __init__(self, model: torch.nn.Module, device: torch.device, group, world_size: int, rerun: bool = True):
         self.model = model
         self.device = device
         self.group = group
         self.world_size = world_size
         # Several ranks and plain (replicated, reduced) parameters: DDP, whose gradients must be
         # recomputed to tell the ranks apart; DTensor parameters are sharded, their shards tell.
-        self.recompute = world_size > 1 and not any(is_dtensor(p) for p in model.parameters())
+        self.data_parallel = world_size > 1 and not any(is_dtensor(p) for p in model.parameters())
+        self.recompute = self.data_parallel and rerun  # TrainConfig.nonfinite_rerun
         self.named = [(n, p) for n, p in model.named_parameters()]
         # (micro-batch, the random states its forward began with), for a recompute of this step.
-        self._kept: list[tuple[object, tuple[Tensor, Tensor | None]]] = []
+        self._kept: list[tuple[object, RngStates]] = []
         self.step_loss: Tensor | None = None  # this rank's summed micro-losses, as backpropagated
 
     # --- what a finite step records (host only) -----------------------------------------------
@@ -200,6 +245,12 @@ class NonfiniteAttribution:
         None) afterwards: the step's reduced ones are gone by then."""
         names = [n for n, _ in self.named]
         step_counts = nonfinite_counts([p.grad for _, p in self.named])
+        if self.data_parallel and not self.recompute:  # TrainConfig.nonfinite_rerun=False
+            return {
+                "nonfinite_grads": [n for n, c in zip(names, step_counts.tolist(), strict=True) if c > 0],
+                "nonfinite_ranks": None,
+                "nonfinite_note": "ranks not looked for (TrainConfig.nonfinite_rerun=False)",
+            }
         if not self.recompute:  # one process, or DTensor shards: the gradients at hand tell
             sharded = any(is_dtensor(p.grad) for _, p in self.named)
             group, world = (self.group, self.world_size) if sharded else (None, 1)
@@ -248,19 +299,20 @@ class NonfiniteAttribution:
 
     def _recompute(self, rerun, module) -> tuple[Tensor, Tensor, str | None]:
         """(this rank's local non-finite counts, 1 if the recompute reproduced the step's loss
-        else 0, the error if it raised). Leaves the buffers, the random state and DDP's buffer
-        sync as they were, and the gradients cleared. Never raises: the other ranks are waiting
-        in the all-gather."""
+        else 0, the error if it raised). Leaves the parameters and buffers, the random states and
+        DDP's buffer sync as they were, and the gradients cleared. Never raises: the other ranks
+        are waiting in the all-gather."""
         n = len(self.named)
         counts = torch.zeros(n, dtype=torch.int64, device=self.device)
-        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
         now = _rng_states(self.device)
         sync = getattr(module, "require_forward_param_sync", None)  # DDP: whether the next forward syncs buffers
         error = None
         reproduced = False
+        kept = None
         try:
             if not self._kept or self.step_loss is None:
                 raise RuntimeError("the step's micro-batches were not recorded")
+            kept = _ModelState(self.model)  # inside: a copy that does not fit is reported, not raised
             self._clear_grads()
             if sync is not None:  # no buffer broadcast in the recompute: it stays local
                 module.require_forward_param_sync = False
@@ -270,9 +322,8 @@ class NonfiniteAttribution:
         except Exception as err:  # reported in the row, on every rank
             error = f"it raised {type(err).__name__}: {err}"
         finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
+            if kept is not None:
+                kept.restore()
             _set_rng_states(now, self.device)
             if sync is not None:
                 module.require_forward_param_sync = sync

@@ -5,7 +5,12 @@ by the trainer (model, optimizer, scheduler, scaler, counters, data position, RN
 plus a format tag. It is written to a temporary file in the same folder, flushed and fsynced,
 then renamed over the final name (atomic on POSIX and Windows), and the folder is fsynced: a
 process killed at any moment leaves either the complete new file or none, and the previous
-checkpoints untouched. Only the ``keep_last`` newest are kept.
+checkpoints untouched. A write that fails (a full disk, a file size limit: torch's zip writer
+hides those behind ``unexpected pos``) is an ``OSError`` naming the file and the cause, and its
+temporary file is deleted. Only the ``keep_last`` newest up to the one just written are kept
+(never that one). Every save holds the folder's lock (``lock.py``: the Trainer's, or one taken
+for the save), so a second writer is refused instead of removing the first one's temporary
+file; whose checkpoints a folder holds is ``ownership.py``'s.
 
 Files are read with ``torch.load(weights_only=True)`` (no code runs from a checkpoint), so
 everything in one is a tensor, a number, a string or a container of those.
@@ -30,6 +35,7 @@ listed, rotated by ``keep_last`` and picked by ``resume="latest"`` together.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import re
@@ -39,6 +45,8 @@ import zlib
 from pathlib import Path
 
 import torch
+
+from .lock import FolderLock, holding
 
 FORMAT = "gradfuse.Trainer checkpoint"
 VERSION = 1
@@ -74,6 +82,13 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return [p for _, _, p in sorted(found)]
 
 
+def step_of(path: str | os.PathLike) -> int | None:
+    """The step a checkpoint's name says (``step-00001000.pt`` or ``step-00001000/``: 1000); None
+    for another name."""
+    m = _NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     found = list_checkpoints(directory)
     return found[-1] if found else None
@@ -94,57 +109,120 @@ def check_directory(directory: str | os.PathLike, what: str = "TrainConfig.check
 
 
 def save_checkpoint(
-    directory: str | os.PathLike, step: int, state: dict, keep_last: int, name: str | None = None
+    directory: str | os.PathLike,
+    step: int,
+    state: dict,
+    keep_last: int,
+    name: str | None = None,
+    lock: FolderLock | None = None,
 ) -> Path:
     """Write ``state`` as the checkpoint of ``step`` atomically; delete all but the ``keep_last``
-    newest checkpoints (and the temporary file of a save that was killed). Returns the path.
-    ``name`` (e.g. ``best.pt``) writes that file instead, outside the ``keep_last`` rotation.
-    An ``OSError`` (a full disk) names the file it could not write."""
+    newest checkpoints up to it (and the temporary file of a save that was killed). Returns the
+    path. ``name`` (e.g. ``best.pt``) writes that file instead, outside the ``keep_last``
+    rotation. ``lock``: the folder's lock, held by the caller (a Trainer); without one, the
+    folder is locked for the save (``CheckpointFolderInUse`` if another writer holds it). An
+    ``OSError`` (a full disk, a file size limit) names the file it could not write."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    remove_stale_saves(directory)
-    final = checkpoint_path(directory, step) if name is None else directory / name
-    write_file(final, state)
-    if name is None:
-        remove_old(directory, keep_last)
+    with holding(directory, lock, "gradfuse.train.checkpoint.save_checkpoint"):
+        remove_stale_saves(directory)
+        final = checkpoint_path(directory, step) if name is None else directory / name
+        write_file(final, state)
+        if name is None:
+            remove_old(directory, keep_last, newest=final)
     return final
+
+
+class _Recording:
+    """A file's ``write`` for ``torch.save``, keeping the ``OSError`` it raised: torch's zip
+    writer turns one into ``[enforce fail at inline_container.cc] unexpected pos``."""
+
+    def __init__(self, file):
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def write_file(final: Path, state: dict) -> None:
     """Write ``state`` (with the format tag) to ``final`` atomically: a temporary file beside it,
     CRC-32 on, flushed and fsynced, renamed over ``final``, the folder fsynced. An ``OSError``
-    (a full disk) names the file it could not write."""
+    (a full disk, a file size limit) names the file it could not write; the temporary file is
+    deleted and ``final``, if it existed, is untouched."""
     temp = final.parent / f"{_TEMP_PREFIX}{final.name}"
     try:
         with open(temp, "wb") as f, _crc32_on():
-            torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+            recording = _Recording(f)
+            try:
+                torch.save({"format": FORMAT, "version": VERSION, **state}, recording)
+            except RuntimeError as err:  # torch's writer hides the OSError it met
+                if recording.error is not None:
+                    raise recording.error from err
+                if "inline_container" not in str(err) and "PytorchStreamWriter" not in str(err):
+                    raise
+                raise OSError(errno.EIO, f"torch's writer failed ({str(err).splitlines()[0]})") from err
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, final)
     except OSError as err:
         temp.unlink(missing_ok=True)
         raise OSError(
-            err.errno, f"could not write the checkpoint {final}: {err.strerror or err}", os.fspath(final)
-        ) from err
+            err.errno, f"could not write the checkpoint {final}: {err.strerror or err}{_why(err, final)}",
+            os.fspath(final),
+        ) from err  # fmt: skip
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
     fsync_directory(final.parent)  # make the rename itself durable
 
 
+def _why(err: OSError, final: Path) -> str:
+    """What an ``OSError`` of a checkpoint write most likely means, and the space left."""
+    hints = {
+        errno.EFBIG: "the file is larger than the process's file size limit (ulimit -f) or the file system allows",
+        errno.ENOSPC: "the disk is full",
+        errno.EDQUOT: "the disk quota is used up",
+    }
+    hint = hints.get(err.errno, "")
+    try:
+        usage = shutil.disk_usage(final.parent)
+        free = f"{usage.free / 2**20:.1f} MiB free there"
+    except OSError:
+        free = ""
+    said = "; ".join(part for part in (hint, free) if part)
+    return f" ({said}); nothing was written in its place, and the previous checkpoints are untouched" if said else ""
+
+
 def remove_stale_saves(directory: Path) -> None:
     """Delete what saves that were killed left in ``directory``: temporary files and folders."""
     for stale in directory.glob(f"{_TEMP_PREFIX}*"):
-        _remove(stale)
+        remove_path(stale)
 
 
-def remove_old(directory: Path, keep_last: int) -> None:
-    """Delete all but the ``keep_last`` newest checkpoints (files and folders alike)."""
-    for old in list_checkpoints(directory)[:-keep_last]:
-        _remove(old)
+def remove_old(directory: Path, keep_last: int, newest: Path | None = None) -> None:
+    """Delete all but the ``keep_last`` newest checkpoints (files and folders alike) up to
+    ``newest``, the one just written, which is never deleted; checkpoints of a later step are
+    left alone (newer ones that a resume passed over as damaged). Whose checkpoints the folder
+    holds is checked when a Trainer takes it (``ownership``)."""
+    found = list_checkpoints(directory)
+    if newest is not None:
+        newest = Path(newest)
+        if newest not in found:
+            return
+        found = found[: found.index(newest) + 1]
+    for old in found[:-keep_last]:
+        remove_path(old)
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Delete a checkpoint file or folder (a symlink itself, not what it points to)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:

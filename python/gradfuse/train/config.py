@@ -64,6 +64,11 @@ class TrainConfig:
     # Per-module gradient norms and largest magnitudes (module names cut at this depth) in the
     # metrics rows of log steps, from the clip's own read; None: off.
     log_grad_norms: int | None = None
+    # Under DDP, on a step whose gradients overflowed, re-run its micro-batches on each rank alone to
+    # name the ranks whose own gradients held the inf/NaN (train/attribution.py; one more forward and
+    # backward on that step, which forward hooks and the user's own counters see); False: the row
+    # names the parameters only.
+    nonfinite_rerun: bool = True
     # Parallelism (train/fsdp.py): under torchrun, ddp (DistributedDataParallel + gradfuse's hook)
     # or fsdp (FSDP2's fully_shard: each module whose class is named in fsdp_units, then the root).
     parallel: str = "ddp"
@@ -74,6 +79,12 @@ class TrainConfig:
     fsdp_units: Sequence[str | Sequence[str]] = ()
     reshard_after_forward: bool = True  # fsdp: free the gathered parameters after forward (gather again in backward)
     cpu_offload: bool = False  # fsdp: keep the sharded parameters, gradients and optimizer state in CPU memory
+    # ddp: DistributedDataParallel's own options. find_unused_parameters for a model with parameters
+    # that some steps do not use (each backward then walks the graph to find them); static_graph when
+    # the set of used parameters and the graph are the same every step (not with grad_accum_steps > 1:
+    # torch's DDP breaks under no_sync with a static graph).
+    find_unused_parameters: bool = False
+    static_graph: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "grad_accum_steps", "keep_last", "log_every", "max_nan_losses"):
@@ -117,7 +128,7 @@ class TrainConfig:
                 _fail(name, f"must be a path or None, got {type(value).__name__}", TypeError)
         if self.save_every is not None and self.checkpoint_dir is None:
             _fail("save_every", "is set but checkpoint_dir is None: where should the checkpoints go?")
-        for name in ("progress", "keep_best", "compile"):
+        for name in ("progress", "keep_best", "compile", "nonfinite_rerun"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"must be True or False, got {getattr(self, name)!r}", TypeError)
         if self.keep_best and self.checkpoint_dir is None:
@@ -136,7 +147,7 @@ class TrainConfig:
         _check_choice("parallel", self.parallel, PARALLELS)
         units = self.fsdp_units
         _check_fsdp_units(units)
-        for name in ("reshard_after_forward", "cpu_offload"):
+        for name in ("reshard_after_forward", "cpu_offload", "find_unused_parameters", "static_graph"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"must be True or False, got {getattr(self, name)!r}", TypeError)
         if self.parallel != "fsdp":  # an FSDP setting under DDP would be silently ignored
@@ -144,6 +155,21 @@ class TrainConfig:
             set_here["cpu_offload"] = self.cpu_offload
             for name in (name for name, is_set in set_here.items() if is_set):
                 _fail(name, f"applies to parallel='fsdp' only, but parallel={self.parallel!r}")
+        if self.static_graph and self.grad_accum_steps > 1:
+            # DDP's static graph and no_sync() (communication on the last micro-step only): torch's reducer
+            # fails an internal assert on the first backward, and the fix found it would then stop reducing
+            # (pytorch/pytorch#143580, #187732).
+            _fail(
+                "static_graph",
+                f"cannot be combined with grad_accum_steps={self.grad_accum_steps}: torch's DDP with a static graph "
+                "breaks under no_sync(), which accumulation uses (pytorch/pytorch#143580); use "
+                "find_unused_parameters=True instead",
+            )
+        if self.parallel != "ddp":  # and a DDP setting under FSDP2 (which needs neither: it reduces what it has)
+            for name in ("find_unused_parameters", "static_graph"):
+                if getattr(self, name):
+                    _fail(name, f"applies to parallel='ddp' only (DistributedDataParallel's option), but "
+                          f"parallel={self.parallel!r}")  # fmt: skip
 
     def to_dict(self) -> dict:
         """The fields as plain values (paths as strings), for checkpoints and logs."""

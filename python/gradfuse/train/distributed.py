@@ -32,6 +32,9 @@ from ..ddp_hook import register_ddp_hook
 from .config import TrainConfig
 from .fsdp import FSDPGradients
 
+# The start of DDP's error when a parameter got no gradient in the step before (c10d's reducer.cpp).
+_UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
+
 
 class LocalGradients:
     """Gradients as autograd leaves them in ``param.grad``; nothing to communicate."""
@@ -50,19 +53,51 @@ class LocalGradients:
         return contextlib.nullcontext()
 
 
+class TrainerDDP(DistributedDataParallel):
+    """torch's ``DistributedDataParallel``, unchanged, except that its error about parameters
+    that received no gradient in the previous step names the ``TrainConfig`` field that fixes it
+    (DDP's own message names DDP's keyword, which the Trainer passes for you)."""
+
+    def forward(self, *inputs, **kwargs):
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as err:
+            if _UNFINISHED_REDUCTION not in str(err):
+                raise
+            raise RuntimeError(
+                "DistributedDataParallel: some parameters of the model received no gradient in the previous step, "
+                "so its gradient reduction never finished. Set TrainConfig(find_unused_parameters=True) (each "
+                "backward then finds the unused parameters), or TrainConfig(static_graph=True) if the same "
+                "parameters go unused in every step; or make the loss depend on every parameter (or freeze the "
+                f"unused ones with requires_grad_(False)). DDP's message: {err}"
+            ) from err
+
+
 class DDPGradients:
     """Gradients averaged across ``group`` by ``DistributedDataParallel`` (which also broadcasts
-    rank 0's weights and buffers), measured by gradfuse's hook as each bucket is reduced."""
+    rank 0's weights and buffers), measured by gradfuse's hook as each bucket is reduced.
+    ``find_unused_parameters`` and ``static_graph`` are DDP's options, passed as they are."""
 
     sharded = False  # every rank holds whole tensors
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group, norm_type: float):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group,
+        norm_type: float,
+        *,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+    ):
         device = next(model.parameters()).device
-        self.module = DistributedDataParallel(
+        self.module = TrainerDDP(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=group,
             gradient_as_bucket_view=True,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
         )
         self.hook = register_ddp_hook(self.module, norm_type=norm_type)
         self.optimizer = optimizer
@@ -120,7 +155,10 @@ class ProcessGroupWorld(World):
         the ``config.norm_type``-norm in backward (another order would read the gradients)."""
         if config.parallel == "fsdp":
             return FSDPGradients(model, optimizer, self.group, config)
-        return DDPGradients(model, optimizer, self.group, config.norm_type)
+        return DDPGradients(
+            model, optimizer, self.group, config.norm_type,
+            find_unused_parameters=config.find_unused_parameters, static_graph=config.static_graph,
+        )  # fmt: skip
 
 
 def training_device(requested: str | None, model: torch.nn.Module) -> torch.device:

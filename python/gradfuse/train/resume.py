@@ -24,7 +24,7 @@ from .schedule import FunctionLR, lr_factor
 
 logger = logging.getLogger("gradfuse.train")
 # Keys of a torch scheduler's state dict that say where it is, not what it is.
-_SCHEDULER_PROGRESS = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial"}
+PROGRESS_KEYS = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial"}
 
 
 def resolve(resume: str | os.PathLike, folder, announce: bool) -> tuple[Path | None, dict | None]:
@@ -91,25 +91,43 @@ def keep_optimizer_settings(optimizer: torch.optim.Optimizer, load: Callable) ->
     return changed
 
 
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's settings (all but its parameters), to put back with
+    ``restore_group_settings``."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def restore_group_settings(optimizer: torch.optim.Optimizer, settings: list[dict]) -> None:
+    """The param groups' settings as ``group_settings`` took them (what a schedule added, such as
+    ``initial_lr``, removed)."""
+    for group, saved in zip(optimizer.param_groups, settings, strict=True):
+        for key in [k for k in group if k != "params" and k not in saved]:
+            del group[key]
+        group.update(saved)
+
+
 def load_schedule(scheduler, saved: dict, optimizer: torch.optim.Optimizer, base_lrs: list[float]) -> list[str]:
     """The schedule's position from ``saved``. For the config's schedule and a ``step -> lr``
     function, the learning rate of the very next step is recomputed from what is given now
     (``base_lrs``, the peak lrs, and the rule)."""
-    if not (isinstance(scheduler, FunctionLR) or is_config_schedule(scheduler)):
+    if not follows_steps(scheduler):
         before = scheduler.state_dict()
         scheduler.load_state_dict(saved)
         return [
             f"scheduler {key} {value!r} (yours: {before[key]!r}) kept from the checkpoint: a torch scheduler "
             "resumes from its state dict; pass a step -> lr function to change the schedule on resume"
             for key, value in saved.items()
-            if key not in _SCHEDULER_PROGRESS and key in before and not _same(before[key], value)
+            if key not in PROGRESS_KEYS and key in before and not _same(before[key], value)
         ]
     changed = [
         f"peak lr of param group {i} {old!r} -> {new!r}"
         for i, (old, new) in enumerate(zip(saved.get("base_lrs", []), base_lrs, strict=False))
         if not _same(old, new) and not isinstance(scheduler, FunctionLR)
     ]
-    scheduler.load_state_dict(saved)
+    # Only the position: the rule is the one given now (which may be of the other kind, or a torch
+    # scheduler's state may have been saved: its settings are not this schedule's).
+    scheduler.last_epoch = saved["last_epoch"]
+    scheduler._step_count = saved.get("_step_count", saved["last_epoch"] + 1)
     scheduler.base_lrs = list(base_lrs)
     if isinstance(scheduler, FunctionLR):
         lrs = scheduler.get_lr()
@@ -120,6 +138,12 @@ def load_schedule(scheduler, saved: dict, optimizer: torch.optim.Optimizer, base
         group["initial_lr"], group["lr"] = base, lr
     scheduler._last_lr = list(lrs)  # what get_last_lr() reports
     return changed
+
+
+def follows_steps(scheduler) -> bool:
+    """Whether the learning rate of ``scheduler`` is a function of the step alone (the config's
+    schedule, a ``step -> lr`` function): a resume takes only its step count."""
+    return isinstance(scheduler, FunctionLR) or is_config_schedule(scheduler)
 
 
 def is_config_schedule(scheduler) -> bool:

@@ -10,8 +10,9 @@ data position) in ``rank-00000.pt``, ``rank-00001.pt``, ...
 Atomic as the single-file checkpoints are. Rank 0 deletes what a killed save left and makes
 ``.saving-step-00001000/``; every rank writes into it; once all have finished (one collective
 that also carries any rank's error to every rank), rank 0 commits with ONE rename to
-``step-00001000/``, fsyncs the checkpoint folder, deletes all but the ``keep_last`` newest, and a
-last collective lets every rank go on. A job killed at any moment leaves either the complete
+``step-00001000/``, fsyncs the checkpoint folder, deletes all but the ``keep_last`` newest up to
+it, and a last collective lets every rank go on. Rank 0 holds the folder's lock (``lock.py``)
+throughout: the Trainer's, or one it takes for the save. A job killed at any moment leaves either the complete
 new folder or none (a temporary one, deleted at the next save), and the previous ones whole.
 
 Loading goes through DCP too (``dcp.load`` into the model's and optimizer's own state dicts,
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import os
 import warnings
@@ -43,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint
+from .lock import FolderLock, holding
 
 logger = logging.getLogger("gradfuse.train")
 # DCP says so whenever it runs without a process group; here that is asked for (group=None).
@@ -60,18 +63,29 @@ def save(
     keep_last: int | None = None,
     group=None,
     name: str | None = None,
+    lock: FolderLock | None = None,
 ) -> Path:
     """Write the sharded checkpoint of ``step``: ``model`` and ``optimizer`` through DCP,
     ``shared`` (the same on every rank: rank 0's is kept) and this rank's ``own`` part; every
     rank of ``group`` calls it (``None``: this process alone). Then all but the ``keep_last``
-    newest checkpoints are deleted (``None``: none). ``name`` writes that folder instead (e.g.
-    ``best``), outside the rotation. Returns the folder's path on every rank."""
+    newest checkpoints up to it are deleted (``None``: none). ``name`` writes that folder
+    instead (e.g. ``best``), outside the rotation. ``lock``: rank 0's hold on ``directory`` (a
+    Trainer's); without one, rank 0 locks the folder for the save, and every rank raises
+    ``CheckpointFolderInUse`` if another writer holds it. Returns the folder's path on every
+    rank."""
+    with contextlib.ExitStack() as held:
+        hold = functools.partial(held.enter_context, holding(directory, lock, "gradfuse.train.sharded_checkpoint.save"))
+        return _save(directory, step, model, optimizer, shared, own, keep_last, group, name, hold)
+
+
+def _save(directory, step, model, optimizer, shared, own, keep_last, group, name, hold) -> Path:
     directory = Path(directory)
     rank, world = _rank_and_world(group)
     final = directory / name if name is not None else checkpoint.checkpoint_path(directory, step, sharded=True)
     temp = checkpoint.temporary_folder(directory, final.name)
 
     def prepare():
+        hold()  # rank 0 holds the folder until the save is over (lock.py)
         directory.mkdir(parents=True, exist_ok=True)
         checkpoint.remove_stale_saves(directory)
         temp.mkdir()
@@ -122,7 +136,7 @@ def save(
         if replaced is not None:
             checkpoint.remove_stale_saves(directory)
         if name is None and keep_last is not None:
-            checkpoint.remove_old(directory, keep_last)
+            checkpoint.remove_old(directory, keep_last, newest=final)
 
     _together(group, rank == 0 and commit, f"could not commit the checkpoint {final}")
     return final
@@ -168,19 +182,29 @@ def load_model_and_optimizer(folder: str | os.PathLike, model: torch.nn.Module, 
         put_aside.restore_grads()
 
 
-def agree_on_checkpoint(path: str | os.PathLike, group, *, folders_only: str | None = None) -> None:
+def agree_on_checkpoint(path: str | os.PathLike | None, group, *, folders_only: str | None = None) -> None:
     """Check, on every rank of ``group`` together (``None``: this process alone), that the ranks
-    resume alike: one sharded checkpoint folder on every rank, or single files on every rank
+    resume alike: every rank from a checkpoint or none (``path=None``: this rank found none), and
+    then one sharded checkpoint folder on every rank, or single files on every rank
     (``folders_only``: folders only, and what needs them, for the message). Otherwise every rank
-    raises ``CheckpointError`` naming each rank's checkpoint: a rank that refused alone would
-    leave the others waiting in the collectives of a sharded load. Each rank picks its
-    checkpoint itself (``resume="latest"``)."""
-    mine = (os.fspath(Path(path).resolve()), Path(path).is_dir())
+    raises ``CheckpointError`` naming each rank's checkpoint: a rank that refused alone (or
+    skipped the load) would leave the others waiting in the collectives of a load. Each rank
+    picks its checkpoint itself (``resume="latest"``)."""
+    mine = (os.fspath(Path(path).resolve()), Path(path).is_dir()) if path is not None else (None, False)
     chosen: list = [mine]
     if group is not None:
         chosen = [None] * dist.get_world_size(group)
         dist.all_gather_object(chosen, mine, group=group)
-    named = ", ".join(f"rank {rank}: {name}" for rank, (name, _) in enumerate(chosen))
+    named = ", ".join(f"rank {rank}: {name or 'no checkpoint'}" for rank, (name, _) in enumerate(chosen))
+    without = [name for name, _ in chosen if name is None]
+    if without and len(without) < len(chosen):
+        raise checkpoint.CheckpointError(
+            f"the ranks would not resume alike, some from a checkpoint and some from step 0: {named}. With "
+            "resume='latest' each rank looks in its own TrainConfig.checkpoint_dir: it must be the same folder, on a "
+            "file system every rank sees"
+        )
+    if without:
+        return
     files = [name for name, is_folder in chosen if not is_folder]
     if folders_only and files:
         raise checkpoint.CheckpointError(
@@ -377,6 +401,20 @@ def _dcp_errors(failure: str):
             by_error.setdefault(f"{type(error).__name__}: {error}", []).append(rank)
         why = "; ".join(f"rank {', '.join(map(str, ranks))}: {e}" for e, ranks in by_error.items())
         raise checkpoint.CheckpointError(f"{failure}: {why or err}") from err
+
+
+# --- the Trainer's checkpoint folder, on every rank together -------------------------------------
+
+
+def together(group, work, failure: str):
+    """``work()`` on this rank (falsy: nothing to do here), then every rank of ``group`` (None:
+    this process alone) raises if it failed on any, naming the ranks and their errors; returns
+    what ``work`` returned (None where it did not run). For the checks a Trainer makes of its
+    checkpoint folder and of a checkpoint before it resumes (lock, ownership, validation): a rank
+    that raised alone would leave the others waiting in their next collective."""
+    result = []
+    _together(group, work and (lambda: result.append(work())), failure)
+    return result[0] if result else None
 
 
 def _dcp():

@@ -12,8 +12,10 @@ checkpoints on the way.
 The scaler is a ``gradfuse.GradScaler`` in every precision: enabled (dynamic loss scaling)
 for fp16, disabled for bf16 and fp32, where it still clips through the optimizer and skips a
 step whose gradients hold inf or NaN. The other parts live next door: ``config``,
-``schedule``, ``checkpoint``, ``data``, ``metrics``, ``distributed``, ``health``, and
-``attribution`` (which parameters and ranks held the inf/NaN of an overflow step).
+``schedule``, ``checkpoint``, ``data``, ``metrics``, ``distributed``, ``health``,
+``attribution`` (which parameters and ranks held the inf/NaN of an overflow step), and for the
+checkpoint folder ``lock`` (one writer), ``ownership`` (one run) and ``compatibility`` (does a
+checkpoint fit, before a resume loads it).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch.utils.checkpoint
 
 from ..distributed import is_dtensor
 from ..scaler import GradScaler
-from . import checkpoint, sharded_checkpoint
+from . import checkpoint, compatibility, ownership, sharded_checkpoint
 from . import resume as resuming
 from .attribution import NonfiniteAttribution, describe
 from .callbacks import Callbacks
@@ -45,6 +47,7 @@ from .data import BatchStream, batch_size, to_device, token_count
 from .distributed import connect, training_device
 from .health import LayerStatsProbe, SpikeSkipper, clip_policy, module_prefix
 from .interrupt import StopSignals, TrainingInterrupted
+from .lock import FolderLock
 from .metrics import Metrics, Throughput, check_tensorboard, peak_memory_mb
 from .schedule import build_scheduler, check_user_scheduler, user_scheduler
 
@@ -106,7 +109,12 @@ class Trainer:
     returns ``(summed loss, number of target tokens)``. ``eval_data``, when given, is evaluated
     every ``config.eval_every`` steps and at the end. ``resume`` is a checkpoint path, or
     ``"latest"`` for the newest valid one in ``config.checkpoint_dir`` (none there: start fresh);
-    the settings passed now win over the checkpoint's, and what changed is logged.
+    the settings passed now win over the checkpoint's, and what changed is logged; a checkpoint
+    of another model, optimizer or schedule is refused before anything is loaded.
+    ``start_over=True`` deletes the checkpoints a fresh run finds in ``config.checkpoint_dir``
+    (without it, a folder holding another run's checkpoints is refused: ``ownership``). While
+    the Trainer runs (from its construction until ``fit()`` returns, or ``close()``), it holds
+    the folder's lock: a second writer there is refused (``lock``).
     ``scheduler`` is the user's own learning-rate schedule (a torch LR scheduler over
     ``optimizer``, or a function ``step -> lr``) in place of the config's; ``callbacks`` are
     objects with some of ``on_step_end(row)``, ``on_eval(row)``, ``on_save(path)``.
@@ -131,9 +139,11 @@ class Trainer:
         resume: str | os.PathLike | None = None,
         scheduler=None,
         callbacks: Iterable = (),
+        start_over: bool = False,
     ):
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a gradfuse.TrainConfig, got {type(config).__name__}")
+        _check_start_over(start_over, resume, config)
         # Everything that can be checked before training is, before anything is changed.
         if config.loss_normalization == "tokens" and loss_fn is None:
             raise ValueError(
@@ -154,8 +164,6 @@ class Trainer:
         self.device = training_device(config.device, model)
         self.model = model.to(self.device)  # the user's module: checkpoints hold its state dict
         self.world = connect(self.device)
-        if config.checkpoint_dir is not None and self.world.is_main:
-            checkpoint.check_directory(config.checkpoint_dir)
         self.optimizer = optimizer
         self.loss_fn = loss_fn or model_loss
         self.eval_data = eval_data
@@ -167,6 +175,7 @@ class Trainer:
         self.sharded = getattr(self.grads, "sharded", False) or config.parallel == "fsdp"
         if config.compile:
             self.net = torch.compile(self.net)
+        self._given_settings = resuming.group_settings(optimizer)  # put back if the Trainer cannot be made
         if scheduler is None:
             self.scheduler = build_scheduler(optimizer, config)
         else:
@@ -188,7 +197,7 @@ class Trainer:
         self.probe: LayerStatsProbe | None = None  # per-module statistics of this step (log steps)
         # Which parameters and ranks held inf/NaN on an overflow step (attribution.py).
         self.nonfinite = NonfiniteAttribution(
-            model, self.device, getattr(self.world, "group", None), self.world.world_size
+            model, self.device, getattr(self.world, "group", None), self.world.world_size, config.nonfinite_rerun
         )
 
         self.step = 0  # optimizer steps done
@@ -199,11 +208,10 @@ class Trainer:
         self.resumed_from: Path | None = None
         self._stop: StopSignals | None = None  # set while fit() runs
         self._stopping = False  # a stop signal reached some rank: stop after this step
+        self.lock: FolderLock | None = None  # rank 0's hold on checkpoint_dir while the Trainer runs
+        self._holding = False  # whether the Trainer (rank 0) holds it, on every rank
         _seed_everything(config.seed)
-        if resume is not None:
-            path, state = resuming.resolve(resume, config.checkpoint_dir, announce=self.world.is_main)
-            if state is not None:
-                self._load_state(state, path)
+        self._open_checkpoints(resume, start_over)
 
     # --- one optimizer step -----------------------------------------------------------------
 
@@ -418,7 +426,10 @@ class Trainer:
                 f"fit(): nothing to train: already at step {self.step} of TrainConfig.max_steps={cfg.max_steps}"
                 f"{where}; raise max_steps (dataclasses.replace(config, max_steps=...)) to train further"
             )
+            self.close()
             return []
+        if cfg.checkpoint_dir is not None and not self._holding:  # let go by an earlier fit()
+            self._take_folder()
         self.net.train()
         throughput = Throughput()
         metrics = Metrics(
@@ -431,6 +442,7 @@ class Trainer:
                     self._fit_step(metrics, throughput)
             finally:
                 self._stop = None
+                self.close()  # the checkpoint folder is free for the next writer
         return metrics.rows
 
     def _fit_step(self, metrics: Metrics, throughput: Throughput) -> None:
@@ -546,6 +558,7 @@ class Trainer:
             "spikes": None if self.spikes is None else {**self.spikes.state_dict(), "skipped": self.spikes_skipped},
             "clip": None if self.clip_policy is None else self.clip_policy.state_dict(),
             "config": self.config.to_dict(),
+            **compatibility.optimizer_record(self.optimizer, self.param_names),  # checked on resume
         }
 
     def _rank_state(self) -> dict:
@@ -562,7 +575,9 @@ class Trainer:
             return None
         cfg = self.config
         name = checkpoint.BEST if best else None
-        path = checkpoint.save_checkpoint(cfg.checkpoint_dir, self.step, self.state_dict(), cfg.keep_last, name)
+        path = checkpoint.save_checkpoint(
+            cfg.checkpoint_dir, self.step, self.state_dict(), cfg.keep_last, name, lock=self._lock_held()
+        )
         self.callbacks.save(path)
         return path
 
@@ -571,7 +586,7 @@ class Trainer:
         path = sharded_checkpoint.save(
             cfg.checkpoint_dir, self.step, self.model, self.optimizer, shared=self._shared_state(),
             own=self._rank_state(), keep_last=cfg.keep_last, group=getattr(self.world, "group", None),
-            name=checkpoint.BEST_FOLDER if best else None,
+            name=checkpoint.BEST_FOLDER if best else None, lock=self._lock_held(),
         )  # fmt: skip
         if self.world.is_main:
             self.callbacks.save(path)
@@ -580,27 +595,22 @@ class Trainer:
     def load(self, path: str | os.PathLike) -> None:
         """Continue from a checkpoint: weights, optimizer state, schedule position, scaler,
         counters, the data position and the RNG states (restored last, after the data has been
-        fast-forwarded). The hyperparameters are the ones given now (see ``_load_state``)."""
-        self._load_state(checkpoint.load_checkpoint(path), Path(path))
+        fast-forwarded). The hyperparameters are the ones given now (see ``_load_state``); a
+        checkpoint that does not fit is refused before anything is changed."""
+        path = Path(path)
+        self._load_state(self._check_resume(checkpoint.load_checkpoint(path), path), path)
 
     def _load_state(self, state: dict, path: Path) -> None:
-        """Load ``state``; the settings given now win where they differ from the saved ones
-        (module ``resume``), and what changed is logged once."""
+        """Load ``state`` (checked by ``_check_resume``, its data position already taken); the
+        settings given now win where they differ from the saved ones (module ``resume``), and
+        what changed is logged once."""
         cfg = self.config
         group = getattr(self.world, "group", None)
-        # Before anything is loaded: a rank that refused alone would leave the others waiting.
-        folders_only = "a model sharded by FSDP2" if getattr(self.grads, "sharded", False) else None
-        sharded_checkpoint.agree_on_checkpoint(path, group, folders_only=folders_only)
         changed = resuming.config_changes(state.get("config", {}), cfg.to_dict())
         if path.is_dir():  # sharded (sharded_checkpoint.py): through DCP, on any world size
-            world = self.world
             load = functools.partial(sharded_checkpoint.load_model_and_optimizer, path, self.model, group=group)
             changed += resuming.keep_optimizer_settings(self.optimizer, load)
-            own = sharded_checkpoint.rank_part(
-                state["ranks"], world.rank, world.world_size, announce=world.is_main, where=f" from {path}"
-            )
-            state = {**state, **own}
-        else:  # a model sharded by FSDP2 was refused a single file above
+        else:  # a model sharded by FSDP2 was refused a single file (_check_resume)
             self.model.load_state_dict(resuming.module_state(state["model"], self.model))
             changed += resuming.load_optimizer(self.optimizer, state["optimizer"])
         changed += resuming.load_schedule(self.scheduler, state["scheduler"], self.optimizer, self._base_lrs)
@@ -620,7 +630,6 @@ class Trainer:
             spikes = dict(state["spikes"])
             self.spikes_skipped = spikes.pop("skipped")
             self.spikes.load_state_dict(spikes)
-        self.batches.load_state_dict(state["data"])
         checkpoint.set_rng_state(state["rng"])
         self.resumed_from = path
         if changed and self.world.is_main:
@@ -629,8 +638,105 @@ class Trainer:
                 f"given now apply from step {self.step + 1}: " + "; ".join(changed)
             )
 
+    # --- the checkpoint folder and resuming: each check on every rank together ------------------
+
+    def _open_checkpoints(self, resume, start_over: bool) -> None:
+        """Take ``checkpoint_dir`` (rank 0 holds its lock), find the checkpoint to resume from,
+        check that it fits this run and that the folder is this run's (``ownership``), then
+        load it. A rank that raised alone would leave the others waiting: each check raises on
+        every rank. On an error the folder is let go and nothing has been loaded."""
+        cfg = self.config
+        group, main = getattr(self.world, "group", None), self.world.is_main
+        try:
+            if cfg.checkpoint_dir is not None:
+                self._take_folder()
+            path, state = None, None
+            if resume is not None:
+                find = functools.partial(resuming.resolve, resume, cfg.checkpoint_dir, announce=main)
+                path, state = sharded_checkpoint.together(group, find, f"could not resume from {resume!r}")
+                if state is None:  # "latest" found none here: the ranks must agree on that too
+                    sharded_checkpoint.agree_on_checkpoint(None, group)
+                else:
+                    state = self._check_resume(state, path)
+            if cfg.checkpoint_dir is not None:
+                check = functools.partial(
+                    ownership.check_folder, cfg.checkpoint_dir, resumed_from=path,
+                    resumed_step=None if state is None else state["step"], latest=resume == "latest",
+                    start_over=start_over,
+                )  # fmt: skip
+                sharded_checkpoint.together(group, main and check, f"could not train into {cfg.checkpoint_dir}")
+            if state is not None:
+                self._load_state(state, path)
+        except BaseException:
+            self.close()
+            resuming.restore_group_settings(self.optimizer, self._given_settings)  # the schedule set its lr
+            raise
+
+    def _check_resume(self, state: dict, path: Path) -> dict:
+        """Before anything is loaded: every rank resumes alike, and the checkpoint fits the model,
+        optimizer, schedule and scaler (``compatibility``); the data is put back at its
+        position (which fails if the data is shorter). Returns ``state`` with this rank's own
+        part of a sharded checkpoint."""
+        group, world = getattr(self.world, "group", None), self.world
+        folders_only = "a model sharded by FSDP2" if getattr(self.grads, "sharded", False) else None
+        sharded_checkpoint.agree_on_checkpoint(path, group, folders_only=folders_only)
+        if path.is_dir():  # the saved ranks' own parts: this rank's, or re-split on another world size
+            own = sharded_checkpoint.rank_part(
+                state["ranks"], world.rank, world.world_size, announce=world.is_main, where=f" from {path}"
+            )
+            state = {**state, **own}
+
+        def check():
+            compatibility.check(
+                state, path, model=self.model, optimizer=self.optimizer, names=self.param_names,
+                scheduler=self.scheduler, scaler=self.scaler, clip_policy=self.clip_policy, spikes=self.spikes,
+            )  # fmt: skip
+            self.batches.load_state_dict(state["data"])
+
+        sharded_checkpoint.together(group, check, f"could not resume from {path}")
+        return state
+
+    def _take_folder(self) -> None:
+        """Rank 0 checks that ``checkpoint_dir`` can hold files and takes its lock; every rank
+        raises if it could not (another writer holds it: ``lock.CheckpointFolderInUse``)."""
+        directory = self.config.checkpoint_dir
+
+        def take() -> FolderLock:
+            checkpoint.check_directory(directory)
+            return FolderLock(directory, "a gradfuse.Trainer")
+
+        group = getattr(self.world, "group", None)
+        self.lock = sharded_checkpoint.together(group, self.world.is_main and take, f"could not use {directory}")
+        self._holding = True
+
+    def _lock_held(self) -> FolderLock | None:
+        """The folder's lock while this Trainer holds it; None after ``fit()`` let it go (a save
+        then locks the folder for its own duration)."""
+        return self.lock if self.lock is not None and self.lock.held else None
+
+    def close(self) -> None:
+        """Let go of ``checkpoint_dir`` (its lock), as ``fit()`` does when it returns; a later
+        ``fit()`` takes it again, and ``save()`` for the save alone."""
+        if self.lock is not None:
+            self.lock.release()
+        self._holding = False
+
     def __repr__(self) -> str:
         return f"Trainer(step={self.step}/{self.config.max_steps}, precision={self.config.precision!r})"
+
+
+def _check_start_over(start_over, resume, config: TrainConfig) -> None:
+    if not isinstance(start_over, bool):
+        raise TypeError(f"Trainer(start_over=...) must be True or False, got {start_over!r}")
+    if start_over and resume is not None:
+        raise ValueError(
+            f"Trainer(resume={resume!r}, start_over=True): start_over deletes the checkpoints in "
+            "TrainConfig.checkpoint_dir to train from step 0, resume continues from one; pass one of them"
+        )
+    if start_over and config.checkpoint_dir is None:
+        raise ValueError(
+            "Trainer(start_over=True) deletes the checkpoints in TrainConfig.checkpoint_dir, which is None"
+        )
 
 
 def _check_reiterable(name: str, data) -> None:
