@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import _chunk_table as ct
-from ._chunk_table import as_f64, chunk_bounds, tail_mask, tensor_ptr, to_storage
+from ._jit import as_f64, chunk_bounds, tail_mask, tensor_ptr, to_storage
 
 
 @triton.constexpr_function
@@ -76,11 +76,8 @@ def accumulate_(table: ct.ChunkTable, alpha: float) -> None:
         ct.launch(
             _accumulate_kernel,
             g,
-            table.addrs[0],
-            table.addrs[1],
-            table.numel,
-            table.chunk_tensor,
-            table.chunk_index,
+            *table.addr_args,
+            *table.args[:3],
             g.base,
             ct.f64_bits(alpha),
             DST_CODE=g.codes[0],

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from . import _chunk_table as ct
-from ._chunk_table import as_f64, chunk_bounds, math_type, rewrite_chunk, tensor_ptr
+from ._jit import CLAMP, as_f64, chunk_bounds, math_type, rewrite_chunk, tensor_ptr
 
 
 @triton.jit(do_not_specialize=["chunk_base", "lo_bits", "hi_bits"])
@@ -35,7 +35,7 @@ def _clamp_kernel(
     chunk = chunk_base + tl.program_id(0).to(tl.int64)
     t, start, body_end, tail, numel = chunk_bounds(chunk, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, CHUNK, VEC)
     x_ptr = tensor_ptr(addr_ptr, t, CODE, ALIGNED)
-    rewrite_chunk(x_ptr, start, body_end, tail, numel, lo, hi, ct.CLAMP, MT, CHUNK, BLOCK, VEC)
+    rewrite_chunk(x_ptr, start, body_end, tail, numel, lo, hi, CLAMP, MT, CHUNK, BLOCK, VEC)
 
 
 def clamp_(table: ct.ChunkTable, lo: float, hi: float) -> None:
@@ -44,10 +44,8 @@ def clamp_(table: ct.ChunkTable, lo: float, hi: float) -> None:
         ct.launch(
             _clamp_kernel,
             g,
-            table.addrs[0],
-            table.numel,
-            table.chunk_tensor,
-            table.chunk_index,
+            table.addr_args[0],
+            *table.args[:3],
             g.base,
             ct.f64_bits(float(lo)),
             ct.f64_bits(float(hi)),

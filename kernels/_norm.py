@@ -29,7 +29,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import _chunk_table as ct
-from ._chunk_table import as_f64, chunk_bounds, is_finite, math_type, tail_mask, tensor_ptr
+from ._jit import as_f64, chunk_bounds, is_finite, math_type, tail_mask, tensor_ptr
+from ._launch import INTERPRET
 
 # Norm kinds (compile-time constants), as the Rust core's NormKind.
 ZERO, ONE, TWO, INF, NEG_INF, P = 0, 1, 2, 3, 4, 5
@@ -273,22 +274,16 @@ def multi_tensor_norm(
         raise ValueError(f"gradfuse.kernels: per-tensor output has {per.numel()} elements for {table.n_tensors}")
     if found_mode != FOUND_NONE and (inv_scale is None or found_inf is None):
         raise ValueError("gradfuse.kernels: the unscaling norm needs inv_scale and found_inf")
-    partials, raws, counters = table.scratch()
+    scratch = table.scratch_args()
     write_per = per is not None
     dummy = total
     for g in table.groups:
         ct.launch(
             _norm_kernel,
             g,
-            table.addrs[0],
-            table.numel,
-            table.chunk_tensor,
-            table.chunk_index,
-            table.first_chunk,
-            table.chunk_count,
-            partials,
-            raws,
-            counters,
+            table.addr_args[0],
+            *table.args,
+            *scratch,
             total,
             per if write_per else dummy,
             inv_scale if inv_scale is not None else dummy,
@@ -302,7 +297,7 @@ def multi_tensor_norm(
             PER_TENSOR=write_per or kind == ZERO,
             WRITE_PER=write_per,
             FOUND=found_mode,
-            LIBDEVICE=not ct.INTERPRET,
+            LIBDEVICE=not INTERPRET,
             FBLOCK=ct.FBLOCK,
             # acc + u * u may become one FMA (more accurate, never less).
             fp_fusion=True,

@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._plan import DTYPE_CODES
 from . import _chunk_table as ct
-from ._chunk_table import as_f64, chunk_bounds, math_type, rewrite_chunk, tensor_ptr, to_storage
+from ._jit import MUL, as_f64, chunk_bounds, math_type, rewrite_chunk, tensor_ptr, to_storage
 
 SCALE, CLIP, UNSCALE_CLIP = 0, 1, 2
 
@@ -88,26 +87,20 @@ def _scale_kernel(
     chunk = chunk_base + tl.program_id(0).to(tl.int64)
     t, start, body_end, tail, numel = chunk_bounds(chunk, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, CHUNK, VEC)
     x_ptr = tensor_ptr(addr_ptr, t, CODE, ALIGNED)
-    rewrite_chunk(x_ptr, start, body_end, tail, numel, f, f, ct.MUL, MT, CHUNK, BLOCK, VEC)
-
-
-def factor_code(t: torch.Tensor) -> int:
-    code = DTYPE_CODES.get(t.dtype)
-    if code is None:
-        raise TypeError(f"gradfuse.kernels: a scale or total norm of dtype {t.dtype} is not supported")
-    return code
+    rewrite_chunk(x_ptr, start, body_end, tail, numel, f, f, MUL, MT, CHUNK, BLOCK, VEC)
 
 
 def multi_tensor_scale_(
     table: ct.ChunkTable,
     mode: int,
     factor: torch.Tensor,
+    code: int,
     max_norm: float = 0.0,
     inv_scale: torch.Tensor | None = None,
 ) -> None:
     """``x *= factor`` in place for every tensor of ``table`` (see the module docstring for the
-    modes); nothing is touched when the factor is exactly 1. One launch per table group."""
-    code = factor_code(factor)
+    modes); nothing is touched when the factor is exactly 1. ``code`` is the dtype code of
+    ``factor`` (as the table's codes). One launch per table group."""
     if mode == UNSCALE_CLIP and inv_scale is None:
         raise ValueError("gradfuse.kernels: UNSCALE_CLIP needs inv_scale")
     if mode == SCALE:
@@ -119,10 +112,8 @@ def multi_tensor_scale_(
         ct.launch(
             _scale_kernel,
             g,
-            table.addrs[0],
-            table.numel,
-            table.chunk_tensor,
-            table.chunk_index,
+            table.addr_args[0],
+            *table.args[:3],
             factor,
             inv_scale if inv_scale is not None else factor,
             g.base,

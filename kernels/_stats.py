@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from . import _chunk_table as ct
-from ._chunk_table import as_f64, chunk_bounds, is_finite, math_type, tail_mask, tensor_ptr
+from ._jit import as_f64, chunk_bounds, is_finite, math_type, tail_mask, tensor_ptr
+from ._launch import INTERPRET, launcher
 from ._norm import INF, _combine, _finish, _identity, _reduce, _reduce_range, _term, norm_kind
 
 #: The norm kind whose combine is a max of |x|, for the largest magnitudes. A global read inside a
@@ -164,10 +165,8 @@ def multi_tensor_stats(
         ct.launch(
             _stats_kernel,
             g,
-            table.addrs[0],
-            table.numel,
-            table.chunk_tensor,
-            table.chunk_index,
+            table.addr_args[0],
+            *table.args[:3],
             partials,
             chunk_amax,
             chunk_bad,
@@ -180,17 +179,11 @@ def multi_tensor_stats(
             BLOCK=ct.BLOCK // 4 if g.codes[0] == F64_CODE else ct.BLOCK // 2,
             CODE=g.codes[0],
             KIND=kind,
-            LIBDEVICE=not ct.INTERPRET,
+            LIBDEVICE=not INTERPRET,
             fp_fusion=True,  # as the norm kernel: the same partials, bit for bit
         )
     # counters[0] is the norm kernel's "programs finished", zero between calls of either kernel.
-    args = (table.first_chunk, table.chunk_count, partials, chunk_amax, chunk_bad, raws, counters)
+    args = (table.args[3], table.args[4], partials, chunk_amax, chunk_bad, raws, counters)
     args += (total, norms, amax, nonfinite, n, p_bits)
-    meta = {"KIND": kind, "LIBDEVICE": not ct.INTERPRET, "FBLOCK": ct.FBLOCK, "num_warps": ct.NUM_WARPS}
-    if ct.INTERPRET:
-        import numpy as np
-
-        with np.errstate(all="ignore"):  # as ct.launch: inf - inf and friends are meant here
-            _stats_finish_kernel[(n,)](*args, **meta)
-    else:
-        _stats_finish_kernel[(n,)](*args, **meta)
+    meta = {"KIND": kind, "LIBDEVICE": not INTERPRET, "FBLOCK": ct.FBLOCK, "num_warps": ct.NUM_WARPS}
+    launcher(_stats_finish_kernel)(n, args, meta, table.groups[0].device)

@@ -1,12 +1,10 @@
 """Unit-wise norms and scaling for adaptive gradient clipping (AGC): each tensor split into
 ``units`` equal, consecutive units (its output rows), each with a norm and a factor of its own.
 
-Every unit becomes an entry of a chunk table of its own (a *row plan*: the units' addresses and
-sizes, no tensor objects), so that the norms are one launch of the multi-tensor norm kernel with
-per-tensor results, and the scaling one launch of ``_scale_units_kernel``, which reads its
+Every unit becomes an entry of a chunk table of its own (:func:`unit_rows`: the units' addresses
+and sizes, no tensor objects), so that the norms are one launch of the multi-tensor norm kernel
+with per-tensor results, and the scaling one launch of ``_scale_units_kernel``, which reads its
 chunk's unit factor and rewrites the chunk (a unit whose factor is exactly 1 is not touched).
-Row plans are cached by the tensors' memory and unit counts: building one costs a Python loop
-over the units, once.
 """
 
 from __future__ import annotations
@@ -16,39 +14,27 @@ import triton
 import triton.language as tl
 
 from . import _chunk_table as ct
-from ._chunk_table import chunk_bounds, math_type, rewrite_chunk, tensor_ptr
+from ._jit import MUL, chunk_bounds, math_type, rewrite_chunk, tensor_ptr
 
 
-class RowPlan:
-    """The attributes of a ``_plan.Plan`` that a chunk table reads, for the units of a plan."""
-
-    __slots__ = ("addrs", "codes", "device", "inplace", "name", "numels")
-
-    def __init__(self, plan, units: list[int]):
-        from .._plan import ELEMENT_SIZE
-
-        self.device, self.inplace, self.name = plan.device, plan.inplace, f"units of {plan.name}"
-        self.addrs, self.numels, codes = [], [], []
-        for addr, numel, code, u in zip(plan.addrs, plan.numels, plan.codes, units, strict=True):
-            n = numel // u if u else 0
-            step = n * ELEMENT_SIZE[code]
-            self.addrs.extend(addr + k * step for k in range(u))
-            self.numels.extend([n] * u)
-            codes.extend([code] * u)
-        self.codes = bytes(codes)
-
-
-_ROW_PLANS: dict[tuple, RowPlan] = {}
-
-
-def row_plan(plan, units: list[int]) -> RowPlan:
-    key = (plan.device, plan.inplace, tuple(plan.addrs), tuple(plan.numels), bytes(plan.codes), tuple(units))
-    rows = _ROW_PLANS.get(key)
-    if rows is None:
-        if len(_ROW_PLANS) >= 16:
-            _ROW_PLANS.clear()
-        rows = _ROW_PLANS[key] = RowPlan(plan, units)
-    return rows
+def unit_rows(addrs: list[int], numels: list[int], codes: bytes, itemsizes: list[int], units: list[int]):
+    """``(addrs, numels, codes)`` of the units as int64 tensors, each unit a tensor of its own for
+    a chunk table: tensor ``i`` (at ``addrs[i]``, ``numels[i]`` elements of ``itemsizes[i]``
+    bytes) split into ``units[i]`` equal, consecutive units. Tensor ops: no loop over units."""
+    u = torch.as_tensor(units, dtype=torch.int64)
+    numel = torch.as_tensor(numels, dtype=torch.int64)
+    per = torch.where(u > 0, numel // u.clamp_min(1), 0)
+    step = per * torch.as_tensor(itemsizes, dtype=torch.int64)
+    total = int(u.sum())
+    starts = torch.cumsum(u, 0) - u
+    k = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts, u)
+    base = torch.repeat_interleave(torch.as_tensor(addrs, dtype=torch.int64), u)
+    code = torch.frombuffer(bytearray(codes), dtype=torch.uint8).to(torch.int64) if codes else u
+    return (
+        base + k * torch.repeat_interleave(step, u),
+        torch.repeat_interleave(per, u),
+        torch.repeat_interleave(code, u),
+    )
 
 
 @triton.jit(do_not_specialize=["chunk_base"])
@@ -73,7 +59,7 @@ def _scale_units_kernel(
     MT: tl.constexpr = math_type(CODE)
     f = factor.to(MT)
     x_ptr = tensor_ptr(addr_ptr, t, CODE, ALIGNED)
-    rewrite_chunk(x_ptr, start, body_end, tail, numel, f, f, ct.MUL, MT, CHUNK, BLOCK, VEC)
+    rewrite_chunk(x_ptr, start, body_end, tail, numel, f, f, MUL, MT, CHUNK, BLOCK, VEC)
 
 
 def scale_units_(table: ct.ChunkTable, factors: torch.Tensor) -> None:
@@ -84,10 +70,8 @@ def scale_units_(table: ct.ChunkTable, factors: torch.Tensor) -> None:
         ct.launch(
             _scale_units_kernel,
             g,
-            table.addrs[0],
-            table.numel,
-            table.chunk_tensor,
-            table.chunk_index,
+            table.addr_args[0],
+            *table.args[:3],
             factors,
             g.base,
             CODE=g.codes[0],

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import _chunk_table as ct
-from ._chunk_table import chunk_bounds, is_finite, math_type, tail_mask, tensor_ptr, to_storage
+from ._jit import chunk_bounds, is_finite, math_type, tail_mask, tensor_ptr, to_storage
 
 
 @triton.jit(do_not_specialize=["chunk_base"])
@@ -65,10 +65,8 @@ def unscale_and_check_(table: ct.ChunkTable, inv_scale: torch.Tensor, found_inf:
         ct.launch(
             _unscale_kernel,
             g,
-            table.addrs[0],
-            table.numel,
-            table.chunk_tensor,
-            table.chunk_index,
+            table.addr_args[0],
+            *table.args[:3],
             inv_scale,
             found_inf,
             g.base,

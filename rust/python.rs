@@ -17,7 +17,11 @@ use crate::stats as health;
 use crate::tensor::{find_conflict, find_strided_conflict, RawTensor, Slice, SliceMut, Strided};
 use crate::unitwise;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyList, PyTuple};
+use std::ffi::{c_void, CStr, CString};
 
 // The Python layer's exception types (defined in `gradfuse._plan`, so that `import gradfuse`
 // need not load this module): the drop-in clipping functions catch them and hand the call to torch.
@@ -67,6 +71,65 @@ impl TensorList {
 
     fn __len__(&self) -> usize {
         self.tensors.len()
+    }
+
+    /// Raises OverlapError when a tensor of `reads` overlaps one of these (a writable list) other
+    /// than the one at its own index that it is identical to (`dst[i] += src[i]` reads each
+    /// element before writing it); the check `accumulate_` makes, for callers that keep lists.
+    fn check_reads(&self, reads: &TensorList) -> PyResult<()> {
+        if !self.writable {
+            return Err(PyValueError::new_err(format!("{} was not made writable", self.name)));
+        }
+        let same: Vec<bool> = self.tensors.iter().zip(&reads.tensors).map(|(a, b)| a == b).collect();
+        self.check_disjoint(Some((reads, &same))).map_err(|e| to_py(e, &self.name, &reads.name))
+    }
+
+    /// Whether `tensors` (a list) are still what this list describes, in one pass through torch's
+    /// own attribute getters (see [`set_probes`]): each a plain tensor (`torch.Tensor` or
+    /// `nn.Parameter`) with this list's dtype and size in bytes, contiguous, and with `writing`
+    /// not an inference tensor. Returns None when one is not (or a probe raised: the caller plans
+    /// the list anew, which names the problem), True when they are at this list's addresses too,
+    /// else their addresses. Raises when the probes are not set.
+    fn probe(&self, py: Python<'_>, tensors: &Bound<'_, PyList>, writing: bool) -> PyResult<Py<PyAny>> {
+        let probes = PROBES.get(py).ok_or_else(|| PyRuntimeError::new_err("gradfuse._rust: probes not set"))?;
+        if tensors.len() != self.tensors.len() {
+            return Ok(py.None());
+        }
+        let mut addrs = Vec::with_capacity(self.tensors.len());
+        for (t, want) in tensors.iter().zip(&self.tensors) {
+            // SAFETY: `t` is a live object (the list holds it) and the GIL is held; `probe_one`
+            // calls torch's getters only on exact `torch.Tensor`/`nn.Parameter` instances.
+            match unsafe { probes.probe_one(t.as_ptr(), want, writing) } {
+                Some(addr) => addrs.push(addr),
+                None => return Ok(py.None()),
+            }
+        }
+        if addrs.iter().zip(&self.tensors).all(|(&a, t)| a == t.addr) {
+            return Ok(true.into_pyobject(py)?.to_owned().into_any().unbind());
+        }
+        Ok(addrs.into_pyobject(py)?.into_any().unbind())
+    }
+
+    /// The same list (sizes, dtypes, writability) at the addresses `addrs`, checked as a new list
+    /// is (alignment, and disjointness when writable); None when the new addresses fail a check
+    /// or change whether some tensor is 16-byte aligned (the GPU kernels group tensors by it).
+    fn moved(&self, addrs: Vec<usize>) -> Option<TensorList> {
+        if addrs.len() != self.tensors.len() {
+            return None;
+        }
+        let mut tensors = Vec::with_capacity(addrs.len());
+        for (i, (&addr, t)) in addrs.iter().zip(&self.tensors).enumerate() {
+            let moved = RawTensor { addr, ..*t };
+            if (addr % 16 == 0) != (t.addr % 16 == 0) || moved.validate(i).is_err() {
+                return None;
+            }
+            tensors.push(moved);
+        }
+        let list = TensorList { name: self.name.clone(), tensors, writable: self.writable };
+        if list.writable && list.check_disjoint(None).is_err() {
+            return None;
+        }
+        Some(list)
     }
 
     fn __repr__(&self) -> String {
@@ -147,6 +210,297 @@ fn out_dtype(code: u8) -> PyResult<DType> {
     match DType::from_code(code) {
         Some(d @ (DType::F32 | DType::F64)) => Ok(d),
         _ => Err(PyTypeError::new_err(format!("norm outputs are float32 or float64, got dtype code {code}"))),
+    }
+}
+
+// --- probes: torch's attribute getters, called directly ------------------------------------
+
+/// The layout CPython gives its method and getset descriptors (`PyDescr_COMMON` then the
+/// definition), stable since Python 3.3. Read only after [`set_probes`] checked, through the
+/// public `d_name` field that sits before it, that the layout is the one described here.
+#[repr(C)]
+struct DescrCommon {
+    ob_base: ffi::PyObject,
+    d_type: *mut ffi::PyTypeObject,
+    d_name: *mut ffi::PyObject,
+    d_qualname: *mut ffi::PyObject,
+}
+
+#[repr(C)]
+struct GetSetDescr {
+    common: DescrCommon,
+    d_getset: *mut ffi::PyGetSetDef,
+}
+
+#[repr(C)]
+struct MethodDescr {
+    common: DescrCommon,
+    d_method: *mut ffi::PyMethodDef,
+}
+
+/// A getter of torch's tensor type, and its closure.
+struct Getter {
+    get: ffi::getter,
+    closure: *mut c_void,
+}
+
+/// A method of torch's tensor type that takes no arguments, as its C function.
+enum Method {
+    NoArgs(ffi::PyCFunction),
+    Keywords(ffi::PyCFunctionWithKeywords),
+}
+
+/// What a probe calls and compares with (see [`set_probes`]).
+struct Probes {
+    dtype: Getter,
+    nbytes: Getter,
+    version: Getter,
+    grad: Getter,
+    data_ptr: Method,
+    is_contiguous: Method,
+    /// torch's dtype objects of codes 0..=3, and the plain tensor types.
+    dtypes: Vec<Py<PyAny>>,
+    plain: Vec<Py<PyAny>>,
+    empty: Py<PyTuple>,
+}
+
+// SAFETY: the raw pointers are C functions and closures of torch's extension module, which is
+// never unloaded, and every use holds the GIL (the lock is a PyOnceLock, read with the GIL).
+unsafe impl Send for Probes {}
+unsafe impl Sync for Probes {}
+
+static PROBES: PyOnceLock<Probes> = PyOnceLock::new();
+
+/// The getter behind `descr`, a getset descriptor named `name`; None if it is not one.
+fn getter_of(descr: &Bound<'_, PyAny>, name: &str) -> Option<Getter> {
+    let ptr = descr.as_ptr();
+    let want = CString::new(name).ok()?;
+    // SAFETY: the descriptor's type is checked to be CPython's getset descriptor type before its
+    // fields are read; its name field (common to all descriptors) must be the expected string
+    // before the definition pointer after it is followed.
+    unsafe {
+        if ffi::Py_TYPE(ptr) != &raw mut ffi::PyGetSetDescr_Type {
+            return None;
+        }
+        let d = ptr as *const GetSetDescr;
+        let d_name = (*d).common.d_name;
+        if d_name.is_null()
+            || ffi::PyUnicode_Check(d_name) == 0
+            || ffi::PyUnicode_CompareWithASCIIString(d_name, want.as_ptr()) != 0
+        {
+            return None;
+        }
+        let def = (*d).d_getset;
+        if def.is_null() || (*def).name.is_null() || CStr::from_ptr((*def).name) != want.as_c_str() {
+            return None;
+        }
+        Some(Getter { get: (*def).get?, closure: (*def).closure })
+    }
+}
+
+/// The C function behind `descr`, a method descriptor named `name` that can be called with no
+/// arguments; None if it is not one.
+fn method_of(descr: &Bound<'_, PyAny>, name: &str) -> Option<Method> {
+    let ptr = descr.as_ptr();
+    let want = CString::new(name).ok()?;
+    // SAFETY: as in `getter_of`, for method descriptors; the flags decide the C signature.
+    unsafe {
+        if ffi::Py_TYPE(ptr) != &raw mut ffi::PyMethodDescr_Type {
+            return None;
+        }
+        let d = ptr as *const MethodDescr;
+        let d_name = (*d).common.d_name;
+        if d_name.is_null()
+            || ffi::PyUnicode_Check(d_name) == 0
+            || ffi::PyUnicode_CompareWithASCIIString(d_name, want.as_ptr()) != 0
+        {
+            return None;
+        }
+        let def = (*d).d_method;
+        if def.is_null() || (*def).ml_name.is_null() || CStr::from_ptr((*def).ml_name) != want.as_c_str() {
+            return None;
+        }
+        let flags = (*def).ml_flags & !ffi::METH_COEXIST;
+        if flags == ffi::METH_NOARGS {
+            Some(Method::NoArgs((*def).ml_meth.PyCFunction))
+        } else if flags == ffi::METH_VARARGS | ffi::METH_KEYWORDS {
+            Some(Method::Keywords((*def).ml_meth.PyCFunctionWithKeywords))
+        } else {
+            None
+        }
+    }
+}
+
+/// Sets the probes of [`TensorList::probe`], [`grads_are`] and [`addrs_are`]: `getters` are
+/// torch's getset descriptors `dtype`, `nbytes`, `_version` and `grad`, `methods` its method descriptors `data_ptr` and `is_contiguous` (as
+/// `torch.Tensor` resolves them), `dtypes` the dtype objects of codes 0..=3 and `plain` the tensor
+/// types probed. Returns False, setting nothing, when any descriptor is not what a probe can call
+/// directly (a Python that lays descriptors out otherwise, a torch that defines them otherwise):
+/// the Python layer then probes with `map`.
+#[pyfunction]
+fn set_probes(
+    py: Python<'_>,
+    getters: Vec<Bound<'_, PyAny>>,
+    methods: Vec<Bound<'_, PyAny>>,
+    dtypes: Vec<Py<PyAny>>,
+    plain: Vec<Py<PyAny>>,
+) -> PyResult<bool> {
+    if getters.len() != 4 || methods.len() != 2 || dtypes.len() != 4 {
+        return Err(PyValueError::new_err("set_probes: 4 getters, 2 methods, 4 dtypes"));
+    }
+    let (Some(dtype), Some(nbytes), Some(version), Some(grad)) = (
+        getter_of(&getters[0], "dtype"),
+        getter_of(&getters[1], "nbytes"),
+        getter_of(&getters[2], "_version"),
+        getter_of(&getters[3], "grad"),
+    ) else {
+        return Ok(false);
+    };
+    let (Some(data_ptr), Some(is_contiguous)) =
+        (method_of(&methods[0], "data_ptr"), method_of(&methods[1], "is_contiguous"))
+    else {
+        return Ok(false);
+    };
+    let empty = PyTuple::empty(py).unbind();
+    let _ = PROBES.set(py, Probes { dtype, nbytes, version, grad, data_ptr, is_contiguous, dtypes, plain, empty });
+    Ok(true)
+}
+
+/// Whether `params[i].grad is grads[i]` for every `i` (the lists of equal length), read through
+/// torch's `grad` getter in one pass; None when the probes are not set. A parameter that is not a
+/// plain tensor, or whose getter raises, makes it False.
+#[pyfunction]
+fn grads_are(py: Python<'_>, params: &Bound<'_, PyList>, grads: &Bound<'_, PyList>) -> Option<bool> {
+    let probes = PROBES.get(py)?;
+    if params.len() != grads.len() {
+        return Some(false);
+    }
+    for (p, g) in params.iter().zip(grads.iter()) {
+        // SAFETY: `p` is live (the list holds it), the GIL is held, and the getter is called on
+        // plain tensors only; the new reference is released.
+        let same = unsafe {
+            let ptr = p.as_ptr();
+            let ty = ffi::Py_TYPE(ptr) as *mut ffi::PyObject;
+            if !probes.plain.iter().any(|t| t.as_ptr() == ty) {
+                return Some(false);
+            }
+            let Some(grad) = probes.get(&probes.grad, ptr) else { return Some(false) };
+            let same = grad == g.as_ptr();
+            ffi::Py_DECREF(grad);
+            same
+        };
+        if !same {
+            return Some(false);
+        }
+    }
+    Some(true)
+}
+
+/// Whether `tensors[i].data_ptr() == addrs[i]` for every `i`, through torch's `data_ptr` in one
+/// pass; None when the probes are not set. A tensor that is not plain, or whose `data_ptr` raises,
+/// makes it False.
+#[pyfunction]
+fn addrs_are(py: Python<'_>, tensors: &Bound<'_, PyList>, addrs: Vec<usize>) -> Option<bool> {
+    let probes = PROBES.get(py)?;
+    if tensors.len() != addrs.len() {
+        return Some(false);
+    }
+    for (t, &want) in tensors.iter().zip(&addrs) {
+        // SAFETY: as in `grads_are`.
+        let same = unsafe {
+            let ptr = t.as_ptr();
+            let ty = ffi::Py_TYPE(ptr) as *mut ffi::PyObject;
+            if !probes.plain.iter().any(|p| p.as_ptr() == ty) {
+                return Some(false);
+            }
+            let Some(addr) = probes.call(&probes.data_ptr, ptr) else { return Some(false) };
+            let value = ffi::PyLong_AsSize_t(addr);
+            ffi::Py_DECREF(addr);
+            if value == usize::MAX && !ffi::PyErr_Occurred().is_null() {
+                ffi::PyErr_Clear();
+                return Some(false);
+            }
+            value == want
+        };
+        if !same {
+            return Some(false);
+        }
+    }
+    Some(true)
+}
+
+impl Probes {
+    /// Calls a getter: a new reference, or None with the error cleared.
+    unsafe fn get(&self, g: &Getter, t: *mut ffi::PyObject) -> Option<*mut ffi::PyObject> {
+        // SAFETY: the caller's: `t` is a live torch tensor of a plain type, the GIL is held.
+        let r = unsafe { (g.get)(t, g.closure) };
+        Self::checked(r)
+    }
+
+    /// Calls a method with no arguments: a new reference, or None with the error cleared.
+    unsafe fn call(&self, m: &Method, t: *mut ffi::PyObject) -> Option<*mut ffi::PyObject> {
+        // SAFETY: as in `get`; the flags checked in `method_of` chose the signature.
+        let r = unsafe {
+            match m {
+                Method::NoArgs(f) => f(t, std::ptr::null_mut()),
+                Method::Keywords(f) => f(t, self.empty.as_ptr(), std::ptr::null_mut()),
+            }
+        };
+        Self::checked(r)
+    }
+
+    fn checked(r: *mut ffi::PyObject) -> Option<*mut ffi::PyObject> {
+        if r.is_null() {
+            // SAFETY: the GIL is held (every caller is a pymethod).
+            unsafe { ffi::PyErr_Clear() };
+            None
+        } else {
+            Some(r)
+        }
+    }
+
+    /// One tensor: its data address when it is what `want` describes (see
+    /// [`TensorList::probe`]), else None.
+    ///
+    /// # Safety
+    /// `t` is a live object and the GIL is held.
+    unsafe fn probe_one(&self, t: *mut ffi::PyObject, want: &RawTensor, writing: bool) -> Option<usize> {
+        // SAFETY: the getters and methods are called on exact torch.Tensor/nn.Parameter objects
+        // only, as Python's attribute lookup would call them; every new reference is released.
+        unsafe {
+            let ty = ffi::Py_TYPE(t) as *mut ffi::PyObject;
+            if !self.plain.iter().any(|p| p.as_ptr() == ty) {
+                return None;
+            }
+            let dtype = self.get(&self.dtype, t)?;
+            let same = dtype == self.dtypes[want.dtype as usize].as_ptr();
+            ffi::Py_DECREF(dtype);
+            let nbytes = self.get(&self.nbytes, t)?;
+            let size = ffi::PyLong_AsSize_t(nbytes);
+            ffi::Py_DECREF(nbytes);
+            if !same || size != want.numel * want.dtype.size() {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            let contiguous = self.call(&self.is_contiguous, t)?;
+            let is_true = contiguous == ffi::Py_True();
+            ffi::Py_DECREF(contiguous);
+            if !is_true {
+                return None;
+            }
+            if writing {
+                // Inference tensors have no version counter: reading it raises.
+                ffi::Py_DECREF(self.get(&self.version, t)?);
+            }
+            let addr = self.call(&self.data_ptr, t)?;
+            let value = ffi::PyLong_AsSize_t(addr);
+            ffi::Py_DECREF(addr);
+            if value == usize::MAX && !ffi::PyErr_Occurred().is_null() {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            Some(value)
+        }
     }
 }
 
@@ -369,18 +723,6 @@ fn accumulate_(py: Python<'_>, dst: &Bound<'_, TensorList>, src: &Bound<'_, Tens
     py.detach(|| elementwise::accumulate(views, &sources, alpha)).map_err(named)
 }
 
-/// Indices `(i, j)` of two byte ranges `[starts[k], ends[k])` that overlap while at least one
-/// is written, or `None`.
-#[pyfunction]
-fn find_overlap(starts: Vec<usize>, ends: Vec<usize>, written: Vec<bool>) -> PyResult<Option<(usize, usize)>> {
-    if starts.len() != ends.len() || starts.len() != written.len() {
-        return Err(PyValueError::new_err("find_overlap: starts, ends and written differ in length"));
-    }
-    let ranges: Vec<(usize, usize, bool)> =
-        starts.iter().zip(&ends).zip(&written).map(|((&s, &e), &w)| (s, e, w)).collect();
-    Ok(find_conflict(&ranges))
-}
-
 /// The bucket layout of parameters with these element counts and dtype codes, placed in
 /// `order` (see `bucket::plan`). Returns `(slots, buckets)`: `slots[i] = (bucket, offset)` of
 /// parameter `i` (offset in elements) and `buckets[b] = (dtype code, numel, parameters)`.
@@ -461,6 +803,9 @@ fn on_openmp() -> bool {
 #[pymodule]
 fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TensorList>()?;
+    m.add_function(wrap_pyfunction!(set_probes, m)?)?;
+    m.add_function(wrap_pyfunction!(grads_are, m)?)?;
+    m.add_function(wrap_pyfunction!(addrs_are, m)?)?;
     m.add_function(wrap_pyfunction!(norm, m)?)?;
     m.add_function(wrap_pyfunction!(unscale_check_norm, m)?)?;
     m.add_function(wrap_pyfunction!(stats, m)?)?;
@@ -471,7 +816,6 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(unscale_and_check_, m)?)?;
     m.add_function(wrap_pyfunction!(clamp_, m)?)?;
     m.add_function(wrap_pyfunction!(accumulate_, m)?)?;
-    m.add_function(wrap_pyfunction!(find_overlap, m)?)?;
     m.add_function(wrap_pyfunction!(plan_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(find_strided_overlap, m)?)?;
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;

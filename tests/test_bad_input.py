@@ -207,3 +207,60 @@ def test_raw_ops_on_empty_lists():
     assert torch.ops.gradfuse.unscale_and_clip_([], inv, found, 1.0, 2.0).item() == 0.0
     assert found.item() == 0.0
     assert gradfuse.unscale_check_norm([], inv)[0].item() == 0.0
+
+
+# --- every op's errors carry its own name ---------------------------------------------------
+
+
+def _bad_calls(device: str):
+    """Per registered op, calls that each fail in the op itself: an integer tensor in the first
+    list, and (where the op takes one) a NaN norm order."""
+    bad = [torch.ones(3, device=device), torch.ones(4, dtype=torch.int32, device=device)]
+    inv, found = torch.full((), 0.5, device=device), torch.zeros((), device=device)
+    ops = torch.ops.gradfuse
+    nan = math.nan
+    return {
+        "multi_tensor_norm": [
+            lambda: ops.multi_tensor_norm(bad, 2.0, False),
+            lambda: ops.multi_tensor_norm(bad[:1], nan, False),
+        ],
+        "multi_tensor_scale_": [lambda: ops.multi_tensor_scale_(bad, inv)],
+        "clip_grads_with_norm_": [lambda: ops.clip_grads_with_norm_(bad, 1.0, inv)],
+        "clip_grad_norm_": [
+            lambda: ops.clip_grad_norm_(bad, 1.0, 2.0, False),
+            lambda: ops.clip_grad_norm_(bad[:1], 1.0, nan, False),
+        ],
+        "unscale_and_check_": [lambda: ops.unscale_and_check_(bad, inv, found)],
+        "unscale_check_norm": [
+            lambda: ops.unscale_check_norm(bad, inv, 2.0),
+            lambda: ops.unscale_check_norm(bad[:1], inv, nan),
+        ],
+        "unscale_and_clip_": [
+            lambda: ops.unscale_and_clip_(bad, inv, found, 1.0, 2.0),
+            lambda: ops.unscale_and_clip_(bad[:1], inv, found, 1.0, nan),
+        ],
+        "unscale_norm_": [
+            lambda: ops.unscale_norm_(bad, inv, found, 2.0),
+            lambda: ops.unscale_norm_(bad[:1], inv, found, nan),
+        ],
+        "accumulate_": [lambda: ops.accumulate_(bad, [torch.ones_like(t) for t in bad], 1.0)],
+        "clamp_": [lambda: ops.clamp_(bad, -1.0, 1.0)],
+        "multi_tensor_stats": [lambda: ops.multi_tensor_stats(bad, 2.0), lambda: ops.multi_tensor_stats(bad[:1], nan)],
+        "unit_norms": [lambda: ops.unit_norms(bad, [1, 1], 2.0), lambda: ops.unit_norms(bad[:1], [1], nan)],
+        "scale_units_": [lambda: ops.scale_units_(bad, [1, 1], torch.ones(2, device=device))],
+    }
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # meta: the fake implementations
+def test_every_op_names_itself_in_its_errors(device):
+    """An error raised by op ``gradfuse::X`` starts with ``gradfuse.X:`` (two ops once shared the
+    name variable of another, so that unscale_norm_'s errors named unit_norms)."""
+    from kernel_compile import registered_ops
+
+    calls = _bad_calls(device)
+    assert set(calls) == registered_ops()
+    for op, fns in calls.items():
+        for fn in fns:
+            with pytest.raises((TypeError, ValueError)) as e:
+                fn()
+            assert str(e.value).startswith(f"gradfuse.{op}: "), (op, str(e.value))

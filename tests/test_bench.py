@@ -16,7 +16,7 @@ import gradfuse
 from gradfuse.__main__ import main
 from gradfuse.bench import engine
 from gradfuse.bench.measure import BenchError, Device
-from gradfuse.bench.workloads import Workload
+from gradfuse.bench.workloads import HOST_APIS, HOST_COUNTS, Workload
 
 # The CPU list: every one must be measured, with torch and gradfuse side by side.
 CPU_WORKLOADS = {
@@ -328,7 +328,9 @@ def test_unknown_workload_is_a_clear_error(capsys, tmp_path):
 def test_cuda_only_workloads_are_not_offered_on_cpu(capsys):
     assert main(["bench", "--device", "cpu", "--list"]) == 0
     names = capsys.readouterr().out.split()
-    assert set(names) == set(CPU_WORKLOADS)
+    # The host family (run on request, bench/host.py) is listed too.
+    host = {f"host_{api}_{n}" for api in HOST_APIS for n in HOST_COUNTS}
+    assert set(names) == set(CPU_WORKLOADS) | host
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message when CUDA is missing")

@@ -437,11 +437,10 @@ def test_launches_per_clip_call_with_1000_tensors():
     mixed = [g if i % 2 else g.bfloat16() for i, g in enumerate(grads)]
     names = profiled_names(lambda: gradfuse.clip_grad_norm_(params_of(mixed), 1e-3))
     assert len(names) <= 4, names  # two dtype groups
-    names = profiled_names(
-        lambda: gradfuse.unscale_and_clip_(
-            grads, torch.tensor(0.5, device=DEVICE), torch.zeros((), device=DEVICE), 1e-3
-        )
-    )
+    # The scalars are made outside the profiled call: torch.zeros on the device is a fill kernel
+    # of the caller's, which the H100 run counted as a third launch of gradfuse's.
+    inv, found = torch.tensor(0.5, device=DEVICE), torch.zeros((), device=DEVICE)
+    names = profiled_names(lambda: gradfuse.unscale_and_clip_(grads, inv, found, 1e-3))
     assert len(names) == 2, names
 
 

@@ -101,10 +101,20 @@ def test_package_imports_are_acyclic():
     for module in ("gradfuse.ops", "gradfuse._cpu", "gradfuse.kernels._norm", "gradfuse.bench.engine"):
         assert module in graph, f"{module} not found under {PACKAGE_DIR}"
     assert "gradfuse._cpu" in graph["gradfuse.ops"]  # a function-level import, counted
-    assert "gradfuse._plan" in graph["gradfuse.kernels._scale"]  # ``from .._plan import ...``
+    assert "gradfuse.ops" in graph["gradfuse.train.attribution"]  # ``from ..ops import ...``
     assert "gradfuse._rust" in graph["gradfuse._plan"]  # an extension module, known by its stub
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_kernels_import_nothing_from_the_package():
+    """``gradfuse.kernels`` takes addresses, sizes and dtype codes and launches kernels: it
+    imports no module of the package above it (the package's backend imports it)."""
+    graph = import_graph()
+    kernels = {m for m in graph if m == "gradfuse.kernels" or m.startswith("gradfuse.kernels.")}
+    assert "gradfuse.kernels._norm" in kernels and "gradfuse.kernels._launch" in kernels
+    upward = {(m, d) for m in kernels for d in graph[m] if d.startswith("gradfuse") and d not in kernels}
+    assert not upward, sorted(upward)
 
 
 @pytest.mark.parametrize(

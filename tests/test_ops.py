@@ -452,7 +452,7 @@ def test_tensors_over_two_to_the_31_elements():
 def test_unscale_and_clip_paths_are_bit_identical(tensors, inv, max_norm):
     """Both ways unscale_and_clip_ can take (read then one write; or unscale while measuring,
     then clip only if needed) give the same gradients, norm and found_inf, bit for bit."""
-    from gradfuse import _cpu, _plan
+    from gradfuse import _cpu
 
     if not any(t.numel() for t in tensors):
         return
@@ -460,9 +460,9 @@ def test_unscale_and_clip_paths_are_bit_identical(tensors, inv, max_norm):
     for clipped_last in (True, False):
         ts = [t.clone() for t in tensors]
         found = torch.zeros(1)
-        plan = _plan.make_plan("t", "grads", ts, inplace=True)
-        _cpu._CLIPPED_LAST[_cpu._signature(plan)] = clipped_last
-        total = gradfuse.unscale_and_clip_(ts, torch.full((1,), inv), found, max_norm)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(_cpu, "clipped_last", lambda plan, clipped_last=clipped_last: clipped_last)
+            total = gradfuse.unscale_and_clip_(ts, torch.full((1,), inv), found, max_norm)
         results.append((ts, total, found))
     (a, total_a, found_a), (b, total_b, found_b) = results
     assert same_bits(total_a, total_b) and same_bits(found_a, found_b)
@@ -473,19 +473,19 @@ def test_unscale_and_clip_remembers_whether_it_clipped():
     from gradfuse import _cpu, _plan
 
     grads = [torch.full((1000,), 4.0)]
-    key = _cpu._signature(_plan.make_plan("t", "grads", grads, inplace=True))
     inv = torch.full((1,), 0.5)
     gradfuse.unscale_and_clip_(grads, inv, torch.zeros(1), max_norm=1e6)
-    assert _cpu._CLIPPED_LAST[key] is False
+    plan = _plan.make_plan("t", "grads", grads, inplace=True)  # the plan the call kept
+    assert _cpu.clipped_last(plan) is False
     gradfuse.unscale_and_clip_(grads, inv, torch.zeros(1), max_norm=1.0)
-    assert _cpu._CLIPPED_LAST[key] is True
+    assert _cpu.clipped_last(plan) is True
     assert grads[0].norm().item() == pytest.approx(1.0, rel=1e-5)
 
 
 def test_unscale_and_clip_fp16_underflow_takes_the_exact_path():
     """fp16 values unscaled by 2^-16 become subnormal: rounding them in storage before
     clipping would change the result, so fp16 lists always clip in one write."""
-    from gradfuse import _cpu, _plan
+    from gradfuse import _cpu
 
     x = torch.linspace(0.05, 0.1, 97, dtype=torch.float16)  # x * 2^-16 is an fp16 subnormal
     inv = 2.0**-16
@@ -494,8 +494,9 @@ def test_unscale_and_clip_fp16_underflow_takes_the_exact_path():
     outs = []
     for clipped_last in (True, False):
         g = [x.clone()]
-        _cpu._CLIPPED_LAST[_cpu._signature(_plan.make_plan("t", "grads", g, inplace=True))] = clipped_last
-        total = gradfuse.unscale_and_clip_(g, torch.full((1,), inv), torch.zeros(1), max_norm=max_norm)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(_cpu, "clipped_last", lambda plan, clipped_last=clipped_last: clipped_last)
+            total = gradfuse.unscale_and_clip_(g, torch.full((1,), inv), torch.zeros(1), max_norm=max_norm)
         outs.append(g[0])
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     want = (x.float() * (inv * coef)).half()

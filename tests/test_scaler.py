@@ -132,8 +132,10 @@ def test_unscale_is_one_fused_pass_over_mixed_dtypes(monkeypatch):
     opts = torch.optim.SGD(copies, lr=0.1), torch.optim.SGD(params, lr=0.1)
     for scaler in scalers:
         scaler.scale(torch.ones(()))
-    calls, real = [], torch.ops.gradfuse.unscale_and_check_
-    monkeypatch.setattr(torch.ops.gradfuse, "unscale_and_check_", lambda *args: calls.append(args[0]) or real(*args))
+    # The op's implementation, which its eager entry and the dispatcher both run.
+    op = gradfuse.ops.unscale_and_check_op
+    calls, real = [], op.run
+    monkeypatch.setattr(op, "run", lambda *args: calls.append(args[0]) or real(*args))
     scalers[1].unscale_(opts[1])
     scalers[0].unscale_(opts[0])
     assert len(calls) == 1 and len(calls[0]) == 2

@@ -33,7 +33,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradfuse
-from gradfuse import _rust
+from gradfuse import _plan, _rust, _triton
 from gradfuse._plan import DTYPE_CODES, make_plan
 from gradfuse.kernels import _chunk_table as ct
 from reference import (
@@ -66,6 +66,11 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(ct, "BLOCK", BLOCK)
     monkeypatch.setattr(ct, "FBLOCK", FBLOCK)
     monkeypatch.setenv("GRADFUSE_BACKEND", "triton")
+
+
+def table_of(tensors):
+    """The chunk table of ``tensors``'s (read-only) plan: the one a norm of them runs from."""
+    return _triton._table(make_plan("t", "tensors", tensors, inplace=False))
 
 
 def on(monkeypatch, backend: str, fn, *args, **kwargs):
@@ -198,7 +203,7 @@ def test_norm_counters_are_reset_by_the_kernels():
     tensors = mixed_list(sizes=(CHUNK * 2 + 1, 9), empty=True)
     for p, per in ((2.0, True), (0.0, False), (1.0, False)):
         gradfuse.multi_tensor_norm(tensors, p, per_tensor=per)
-        table = ct.chunk_table([make_plan("t", "tensors", tensors, inplace=False)])
+        table = table_of(tensors)
         assert not table.scratch()[2].any()
     _, found = gradfuse.unscale_check_norm(tensors, torch.tensor(0.5))
     assert found.item() == 0.0 and not table.scratch()[2].any()
@@ -525,15 +530,15 @@ def test_inplace_overlap_rejected_like_rust(monkeypatch):
 def test_chunk_table_is_cached_and_keyed_on_storage():
     tensors = mixed_list(sizes=(CHUNK + 1,))
     plan = make_plan("t", "tensors", tensors, inplace=False)
-    table = ct.chunk_table([plan])
-    assert ct.chunk_table([make_plan("t", "tensors", tensors, inplace=False)]) is table
-    other = ct.chunk_table([make_plan("t", "tensors", clones(tensors), inplace=False)])
+    table = _triton._table(plan)
+    assert table_of(tensors) is table
+    other = table_of(clones(tensors))
     assert other is not table
     # One group per dtype, chunks contiguous per group, every tensor at least one chunk.
     assert [g.codes for g in table.groups] == [(0,), (1,), (2,), (3,)]
     assert sum(g.count for g in table.groups) == table.n_chunks
     assert table.chunk_count.min().item() >= 1
-    for i, t in enumerate(plan.tensors):
+    for i, t in enumerate(tensors):
         first, count = table.first_chunk[i].item(), table.chunk_count[i].item()
         assert count == max(1, -(-t.numel() // CHUNK))
         assert table.chunk_tensor[first : first + count].eq(i).all()
@@ -541,11 +546,14 @@ def test_chunk_table_is_cached_and_keyed_on_storage():
 
 
 def test_chunk_table_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(ct, "CACHE_SIZE", 3)
-    keep = [[rand(5, torch.float32)] for _ in range(6)]
+    """Tables are kept with the plans, whose cache is bounded: lists of other shapes, and lists
+    of one shape at other addresses."""
+    monkeypatch.setattr(_plan, "CACHE_SIZE", 3)
+    keep = [[rand(5 + i, torch.float32)] for i in range(6)] + [[rand(5, torch.float32)] for _ in range(6)]
     for ts in keep:
-        ct.chunk_table([make_plan("t", "tensors", ts, inplace=False)])
-    assert len(ct._CACHE) <= 3
+        table_of(ts)
+    assert len(_plan._PLANS) <= 3
+    assert all(len(kept) <= _plan.PLANS_PER_KEY for kept in _plan._PLANS.values())
 
 
 def test_unaligned_views_form_their_own_group(monkeypatch):
@@ -553,7 +561,7 @@ def test_unaligned_views_form_their_own_group(monkeypatch):
     unaligned group, with the same results."""
     base = rand(CHUNK * 2 + 9, torch.float32)
     tensors = [base[1:], rand(CHUNK + 3, torch.float32)]
-    table = ct.chunk_table([make_plan("t", "tensors", tensors, inplace=False)])
+    table = table_of(tensors)
     assert sorted(g.aligned for g in table.groups) == [False, True]
     total = gradfuse.multi_tensor_norm(tensors, 2.0)
     want, _ = ref_norms(tensors, 2.0)

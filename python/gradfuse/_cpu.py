@@ -48,6 +48,8 @@ _THREAD = threading.local()
 
 
 def _tensor_list(plan: Plan) -> _rust.TensorList:
+    """The plan's Rust description of its memory (checked aligned, and disjoint when written, as
+    the plan was made), once this thread's OpenMP setting follows torch's."""
     if not hasattr(_THREAD, "synced"):
         # torch.set_num_threads sets OpenMP's thread count for the calling thread; torch gives
         # every other thread the same setting lazily, at its first parallel op. A thread whose
@@ -57,21 +59,21 @@ def _tensor_list(plan: Plan) -> _rust.TensorList:
         # torch.get_num_threads() makes torch set it, once per thread.
         torch.get_num_threads()
         _THREAD.synced = True
-    # A writable list is checked for overlapping tensors here, before any kernel of the call.
-    return _rust.TensorList(plan.name, plan.addrs, plan.numels, plan.codes, plan.inplace)
+    return plan.tensor_list
 
 
 def _norm_into(plan: Plan, tl: _rust.TensorList, norm_type: float, per_tensor: bool):
+    """``(total, per-tensor norms or None, the total as a float)``."""
     out = plan.out_dtype
     total = torch.empty((), dtype=out)
-    per = torch.empty(len(plan) if per_tensor else 0, dtype=out)
-    value = _rust.norm(tl, norm_type, total.data_ptr(), per.data_ptr(), DTYPE_CODES[out])
+    per = torch.empty(len(plan), dtype=out) if per_tensor else None
+    value = _rust.norm(tl, norm_type, total.data_ptr(), per.data_ptr() if per_tensor else 0, DTYPE_CODES[out])
     return total, per, value
 
 
 def norm(plan: Plan, norm_type: float, per_tensor: bool):
     total, per, _ = _norm_into(plan, _tensor_list(plan), norm_type, per_tensor)
-    return total, per
+    return total, per if per_tensor else torch.empty(0, dtype=plan.out_dtype)
 
 
 def stats(plan: Plan, norm_type: float):
@@ -152,15 +154,14 @@ def unscale_check_norm(plan: Plan, inv_scale: torch.Tensor, norm_type: float):
 #                     if coef != 1                                               -> 2N (4N if wrong)
 # Which one is cheaper depends on whether clipping will be active, which the previous call on
 # the same gradients predicts well (clipping is active for long stretches early in training and
-# inactive late). Keyed cheaply by the list's shape in memory; bounded.
-_CLIPPED_LAST: dict[tuple, bool] = {}
-
-
+# inactive late). Kept with the plan (``memo["clipped"]``, carried when the plan moves).
 _FP16 = DTYPE_CODES[torch.float16]
 
 
-def _signature(plan: Plan) -> tuple:
-    return (len(plan), plan.addrs[0], plan.numels[0], plan.addrs[-1], plan.numels[-1])
+def clipped_last(plan: Plan) -> bool:
+    """Whether the last ``unscale_and_clip_`` on these tensors clipped (True when none ran yet)."""
+    memo = plan.memo
+    return memo.get("clipped", memo.get("moved_from", memo).get("clipped", True))
 
 
 def _power_of_two(v: float) -> bool:
@@ -171,19 +172,16 @@ def _power_of_two(v: float) -> bool:
 def unscale_and_clip_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, max_norm: float, norm_type):
     tl = _tensor_list(plan)
     inv = inv_scale.item()
-    key = _signature(plan)
     out = plan.out_dtype
     total = torch.empty((), dtype=out)
-    unscale_now = not (_CLIPPED_LAST.get(key, True) or not _power_of_two(inv) or _FP16 in plan.codes)
+    unscale_now = not (clipped_last(plan) or not _power_of_two(inv) or _FP16 in plan.codes)
     plan.before_write(found_inf)
     value, found = _rust.unscale_check_norm(tl, inv, norm_type, total.data_ptr(), DTYPE_CODES[out], unscale_now)
     coef = _rust.clip_coef(value, max_norm, DTYPE_CODES[out])
     _rust.scale_(tl, coef if unscale_now else inv * coef)
     if found:
         found_inf.fill_(1.0)
-    if len(_CLIPPED_LAST) >= 64:
-        _CLIPPED_LAST.clear()
-    _CLIPPED_LAST[key] = coef != 1.0
+    plan.memo["clipped"] = coef != 1.0
     return total
 
 

@@ -1,17 +1,20 @@
-"""Validation of tensor-list arguments and the memory description both backends consume.
+"""Plans: what a tensor-list argument is, validated once and kept (:func:`make_plan`).
 
 Every `gradfuse::` op turns each tensor-list argument into a :class:`Plan` before any kernel
-runs: dtypes, devices, layouts and (for in-place targets) overlap are checked here, and a bad
-argument raises an exception naming the op, the argument and the index, with nothing modified.
-The per-tensor work is done with C-level ``map`` over tensor methods: at 2000 tensors each
-attribute costs ~100 us, so the plan reads as few as it can (measured on the CI machine).
+runs: dtypes, devices, layouts and (for in-place targets) overlap are checked when a plan is
+made, and a bad argument raises an exception naming the op, the argument and the index, with
+nothing modified. Plans of contiguous lists are kept, holding no tensor, and confirmed at every
+later call in one pass (the Rust core through torch's own attribute getters, or C-level maps):
+the same kind of tensors at the same addresses use the plan as it is, at other addresses a moved
+copy, anything else a new plan. The scalar-argument checks the ops share live here too.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
-from operator import attrgetter
+from operator import attrgetter, is_
 
 import torch
 
@@ -30,6 +33,8 @@ SUPPORTED = "float32, float64, float16 and bfloat16"
 _dtype = attrgetter("dtype")
 _layout = attrgetter("layout")
 _version = attrgetter("_version")
+_device = attrgetter("device")
+_grad = attrgetter("grad")
 
 
 class UnsupportedTensorError(TypeError):
@@ -55,42 +60,82 @@ class InternalOverlapError(OverlapError, RuntimeError):
     RuntimeError, as torch's error for writing such a tensor is."""
 
 
-class Plan:
-    """The validated memory of one tensor-list argument.
+class NotPlannable(UnsupportedTensorError):
+    """Tensors on a device gradfuse's kernels do not run on (meta, say): the ops' eager entry
+    hands the call to the dispatcher, which knows what to do with them (the fake implementation
+    for meta tensors); the drop-ins hand it to torch."""
 
-    ``tensors`` are what the kernels touch: the caller's tensors, except that a tensor whose
+
+class Plan:
+    """What one tensor-list argument is, validated: the memory the kernels touch and everything
+    that follows from it (dtypes, device, sizes, the Rust core's ``TensorList``; the backends keep
+    what they derive, a Triton chunk table say, in ``memo``).
+
+    A plan of dense tensors is kept between calls (see :func:`make_plan`) and holds no tensor:
+    only addresses, sizes and dtypes, which every later call confirms against its tensors before
+    the plan is used. A plan of tensors that are not all contiguous is made for one call:
+    ``tensors`` are then what the kernels touch, the caller's tensors except that one whose
     elements are not one dense block is replaced by a contiguous copy (``writeback`` pairs each
     such original with its copy, to be copied back after an in-place op).
     """
 
-    __slots__ = ("addrs", "codes", "copied", "device", "inplace", "name", "numels", "originals", "tensors", "writeback")
+    __slots__ = (
+        "addrs",
+        "codes",
+        "copied",
+        "device",
+        "dtypes",
+        "empty",
+        "inference",
+        "inplace",
+        "memo",
+        "name",
+        "nbytes",
+        "numels",
+        "out_dtype",
+        "tensor_list",
+        "tensors",
+        "writeback",
+    )
 
-    def __init__(self, name, tensors, device, addrs, numels, codes, writeback, inplace, originals=None):
+    def __init__(self, name, device, addrs, numels, codes, dtypes, inplace, tensor_list):
         self.name = name
         self.inplace = inplace
-        self.tensors = tensors
         self.device = device
         self.addrs = addrs
         self.numels = numels
         self.codes = codes
-        self.writeback = writeback
-        #: The caller's tensors; ``copied``: some of ``tensors`` are contiguous copies of them.
-        self.originals = tensors if originals is None else originals
-        self.copied = self.originals is not tensors
+        self.dtypes = dtypes
+        self.nbytes = [n * ELEMENT_SIZE[c] for n, c in zip(numels, codes, strict=True)]
+        #: Indices of the tensors without elements (their address says nothing about their device).
+        self.empty = [i for i, n in enumerate(numels) if n == 0]
+        #: Dtype of norms of these tensors: float64 if any is float64, else float32.
+        self.out_dtype = torch.float64 if 1 in codes else torch.float32
+        #: The Rust core's description of the same memory (checked aligned, and disjoint when
+        #: ``inplace``, as it was made).
+        self.tensor_list = tensor_list
+        #: Some tensor is an inference tensor, found outside inference mode (see :meth:`before_write`).
+        self.inference = False
+        #: For one-call plans: the tensors the kernels touch, and the copies to write back.
+        self.tensors = None
+        self.writeback = []
+        self.copied = False
+        #: What the backends derive from the plan and keep with it.
+        self.memo = {}
 
     def __len__(self) -> int:
-        return len(self.tensors)
+        return len(self.addrs)
 
     @property
-    def out_dtype(self) -> torch.dtype:
-        """Dtype of norms of these tensors: float64 if any is float64, else float32."""
-        return torch.float64 if 1 in self.codes else torch.float32
+    def cached(self) -> bool:
+        return self.tensors is None
 
     def before_write(self, *others: Tensor) -> None:
         """Called by a backend right before its first write (after any read pass and its
         errors, as torch orders them): refuses inference tensors among the targets (and
         ``others``, further tensors the call writes) as torch does, with nothing modified."""
-        check_writable(self.originals)
+        if self.inference and not torch.is_inference_mode_enabled():
+            raise _inference_update_error()
         if others:
             check_writable(others)
 
@@ -99,6 +144,21 @@ class Plan:
         for orig, work in self.writeback:
             orig.copy_(work)
         bump_versions(originals)
+
+    def moved(self, addrs: list[int], tensor_list) -> Plan:
+        """The same plan for the same kind of tensors at other addresses (a new plan: the backends
+        derive again what depends on addresses, from what ``memo`` holds)."""
+        other = Plan.__new__(Plan)
+        for slot in ("name", "inplace", "device", "numels", "codes", "dtypes", "nbytes", "empty", "out_dtype"):
+            setattr(other, slot, getattr(self, slot))
+        other.addrs, other.tensor_list = addrs, tensor_list
+        other.inference, other.tensors, other.writeback, other.copied = False, None, [], False
+        # What this plan derived, and what it had still to take from the plan it moved from: one
+        # level, so that a list moving at every step (a training loop) keeps no chain of tables.
+        inherited = {**self.memo.get("moved_from", {}), **self.memo}
+        inherited.pop("moved_from", None)
+        other.memo = {"moved_from": inherited}
+        return other
 
 
 def bump_versions(tensors: list[Tensor]) -> None:
@@ -186,6 +246,8 @@ def check_device(
     first = tensors[0].device if device is None else device
     if not strict and len(set(map(Tensor.get_device, tensors))) == 1 and tensors[0].device == first:
         return first
+    if strict and set(map(_device, tensors)) == {first}:
+        return first
     for i, t in enumerate(tensors):
         if t.device != first:
             where = f"{name}[0] is on {first}" if device is None else f"the call is on {first}"
@@ -196,18 +258,190 @@ def check_device(
     return first
 
 
-def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, device=None, dense_ok: bool = True) -> Plan:
-    """Validates ``tensors`` and describes their memory.
+# --- plans, kept ------------------------------------------------------------------------------
 
-    ``inplace``: the op writes them. ``dense_ok``: a non-contiguous tensor whose elements are
-    still one dense block (a transpose, say) is used in place; element-wise ops that pair two
-    lists pass False, so both sides are walked in the same (row-major) order.
+#: Kept plans by (inplace, length, bytes of the first and last tensor); a handful of plans each
+#: (lists of the same shape at other addresses), most recently used first. Bounded (oldest key
+#: evicted); plans hold no tensors.
+_PLANS: dict[tuple, list[Plan]] = {}
+#: Keys kept, and plans per key.
+CACHE_SIZE = 64
+PLANS_PER_KEY = 4
+_LOCK = threading.Lock()
+
+_PLAIN = frozenset({Tensor, torch.nn.Parameter})
+_data_ptr = Tensor.data_ptr
+_is_contiguous = Tensor.is_contiguous
+_nbytes = attrgetter("nbytes")
+_get_device = Tensor.get_device
+#: What a probe of a tensor can raise for tensors a plan cannot describe (sparse, no storage).
+_PROBE_ERRORS = (RuntimeError, TypeError, AttributeError, NotImplementedError)
+
+
+def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, device=None, dense_ok: bool = True) -> Plan:
+    """The validated plan of ``tensors`` (a list): a kept one when they are still what it
+    describes, else a new one (kept when all are contiguous). Raises, naming ``op``, ``name`` and
+    the index, when the tensors cannot be planned; nothing is modified.
+
+    ``inplace``: the op writes them (they must not overlap, nor be inference tensors outside
+    inference mode: found here, raised by :meth:`Plan.before_write`). ``device``: the device
+    the call is on (checked). ``dense_ok``: a non-contiguous tensor whose elements are still one
+    dense block (a transpose, say) is used in place; element-wise ops that pair two lists pass
+    False, so both sides are walked in the same (row-major) order.
+
+    A kept plan is confirmed in one pass of C-level maps over the tensors: each is a plain tensor
+    (``torch.Tensor``/``nn.Parameter``) with the plan's dtype and size in bytes, contiguous, and
+    (``inplace``, outside inference mode) not an inference tensor; its data address is then read.
+    The same addresses: the plan as it is. Other addresses (a gradient set to None and made again,
+    ``.data =``, ``set_``): the plan moved there, checked by the Rust core as a new one is
+    (alignment, overlap), and the devices of the tensors read. An address identifies its device
+    (the host and every GPU share one virtual address space), except for empty tensors, whose
+    devices are read at every call. Anything else (a dtype, a size, a layout, the length, a type)
+    makes a new plan.
     """
+    if not tensors:
+        return _build(op, name, tensors, inplace, device, dense_ok)
+    try:
+        if type(tensors[0]) in _PLAIN and type(tensors[-1]) in _PLAIN:
+            key = (inplace, len(tensors), tensors[0].nbytes, tensors[-1].nbytes)
+            kept = _PLANS.get(key)
+            plan = _confirm(kept, tensors, device) if kept else None
+            if plan is not None:
+                if plan is not kept[0]:
+                    with _LOCK:  # the DDP hook plans on its own thread
+                        if plan in kept:
+                            kept.remove(plan)
+                        kept.insert(0, plan)
+                        del kept[PLANS_PER_KEY:]
+                return plan
+    except _PROBE_ERRORS:
+        pass  # planned anew, which names the problem
+    plan = _build(op, name, tensors, inplace, device, dense_ok)
+    if plan.cached and not plan.inference:
+        _keep(plan)
+    return plan
+
+
+def _confirm(kept: list[Plan], tensors: list[Tensor], device) -> Plan | None:
+    """The kept plan (of one key) that describes ``tensors``, moved to their addresses if they
+    moved, or None."""
+    writing = kept[0].inplace and not torch.is_inference_mode_enabled()
+    if probes():
+        # One pass of the Rust core through torch's own getters: None, True (the same
+        # addresses) or the addresses.
+        for plan in kept:
+            found = plan.tensor_list.probe(tensors, writing)
+            if found is not None:
+                break
+        else:
+            return None
+        if found is True:
+            return _checked_devices(plan, tensors, device)
+        addrs = found
+        kinds = [p for p in kept if p.nbytes == plan.nbytes and p.dtypes == plan.dtypes]
+    else:
+        if not set(map(type, tensors)) <= _PLAIN:
+            return None
+        sizes = list(map(_nbytes, tensors))
+        dtypes = list(map(_dtype, tensors))
+        kinds = [p for p in kept if p.nbytes == sizes and p.dtypes == dtypes]
+        if not kinds or not all(map(_is_contiguous, tensors)):
+            return None
+        plan = kinds[0]
+        if writing:
+            deque(map(_version, tensors), maxlen=0)  # raises for an inference tensor: planned anew
+        addrs = list(map(_data_ptr, tensors))
+    same = [p for p in kinds if p.addrs == addrs]
+    if same:
+        plan = same[0]
+    else:
+        if set(map(_get_device, tensors)) != {_device_index(plan.device)}:
+            return None
+        tensor_list = plan.tensor_list.moved(addrs)
+        if tensor_list is None:
+            return None
+        plan = plan.moved(addrs, tensor_list)
+    return _checked_devices(plan, tensors, device)
+
+
+def _checked_devices(plan: Plan, tensors: list[Tensor], device) -> Plan | None:
+    """``plan`` when the tensors without elements (whose addresses say nothing) are on its
+    device, and it is the call's ``device`` (when given); else None."""
+    if plan.empty and any(tensors[i].device != plan.device for i in plan.empty):
+        return None
+    if device is not None and plan.device != device:
+        return None
+    return plan
+
+
+def probes() -> bool:
+    """Whether the Rust core probes tensors through torch's getters (set up on first use)."""
+    global _PROBES
+    if _PROBES is None:
+        _PROBES = _set_probes()
+    return _PROBES
+
+
+def grads_are(params: list, grads: list) -> bool:
+    """Whether ``params[i].grad is grads[i]`` for every ``i``: one Rust pass through torch's
+    getter, or C-level maps."""
+    if probes():
+        return _rust().grads_are(params, grads)
+    return len(params) == len(grads) and all(map(is_, map(_grad, params), grads))
+
+
+def addrs_are(tensors: list, addrs: list[int]) -> bool:
+    """Whether ``tensors[i].data_ptr() == addrs[i]`` for every ``i`` (one pass, as above)."""
+    if probes():
+        return _rust().addrs_are(tensors, addrs)
+    return list(map(_data_ptr, tensors)) == addrs
+
+
+def _set_probes() -> bool:
+    """Hands the Rust core torch's attribute getters for :func:`_confirm` (False: a Python or
+    torch where they cannot be called directly; the probes are then C-level maps)."""
+    try:
+        return _rust().set_probes(
+            [Tensor.dtype, Tensor.nbytes, Tensor._version, Tensor.grad],
+            [Tensor.data_ptr, Tensor.is_contiguous],
+            list(DTYPE_CODES),
+            [Tensor, torch.nn.Parameter],
+        )
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def _device_index(device: torch.device) -> int:
+    return -1 if device.type == "cpu" else device.index
+
+
+def _keep(plan: Plan) -> None:
+    key = (plan.inplace, len(plan), plan.nbytes[0], plan.nbytes[-1])
+    with _LOCK:
+        kept = _PLANS.pop(key, [])
+        kept.insert(0, plan)
+        del kept[PLANS_PER_KEY:]
+        while len(_PLANS) >= CACHE_SIZE:
+            del _PLANS[next(iter(_PLANS))]  # the least recently made or moved key
+        _PLANS[key] = kept
+
+
+def clear_plans() -> None:
+    """Forgets every kept plan."""
+    _PLANS.clear()
+
+
+def _build(op: str, name: str, tensors: list[Tensor], inplace: bool, device, dense_ok: bool) -> Plan:
+    """Validates ``tensors`` and describes their memory (see :func:`make_plan`)."""
     tensors = list(tensors)
     codes = check_dtypes(op, name, tensors)
     if not tensors:
-        return Plan(name, tensors, device, [], [], b"", [], inplace)
-    device = check_device(op, name, tensors, device)
+        plan = Plan(name, device, [], [], b"", [], inplace, None)
+        plan.tensors = tensors
+        return plan
+    device = check_device(op, name, tensors, device, strict=True)
+    if device.type not in ("cpu", "cuda"):
+        raise NotPlannable(f"{op}: {name} are on {device}; gradfuse's kernels run on CPU and CUDA tensors")
     writeback = []
     try:
         contiguous = all(map(Tensor.is_contiguous, tensors))
@@ -221,7 +455,19 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
         tensors, writeback = _densify(op, name, tensors, inplace, dense_ok)
     addrs = list(map(Tensor.data_ptr, tensors))
     numels = list(map(Tensor.numel, tensors))
-    return Plan(name, tensors, device, addrs, numels, codes, writeback, inplace, originals)
+    try:
+        tensor_list = _rust().TensorList(name, addrs, numels, codes, inplace)
+    except (OverlapError, UnsupportedTensorError) as e:
+        raise type(e)(f"{op}: {e}") from None
+    plan = Plan(name, device, addrs, numels, codes, list(map(_dtype, tensors)), inplace, tensor_list)
+    if inplace:
+        try:
+            check_writable(originals)
+        except RuntimeError:
+            plan.inference = True
+    if not contiguous:
+        plan.tensors, plan.writeback, plan.copied = tensors, writeback, tensors is not originals
+    return plan
 
 
 def _densify(op: str, name: str, tensors: list[Tensor], inplace: bool, dense_ok: bool):
@@ -290,6 +536,21 @@ def check_disjoint(
         f"{op}: {a_name}[{a}] and {b_name}[{b}] overlap in memory; in-place targets must not overlap each other "
         "or their inputs"
     )
+
+
+def check_reads(op: str, dst: Plan, dst_tensors: list[Tensor], src: Plan, src_tensors: list[Tensor]) -> None:
+    """OverlapError when a source overlaps a target other than its own (``dst[i] += src[i]``
+    reads each element before writing it): on the Rust core's descriptions of kept plans (once
+    per pair of plans), on the tensors themselves when a plan works on copies."""
+    if not (dst.cached and src.cached):
+        check_disjoint(op, dst.name, dst_tensors, src.name, src_tensors)
+        return
+    if dst.memo.get("reads") is not src:
+        try:
+            dst.tensor_list.check_reads(src.tensor_list)
+        except OverlapError as e:
+            raise OverlapError(f"{op}: {e}") from None
+        dst.memo["reads"] = src
 
 
 def check_aligned(op: str, name: str, tensors: list[Tensor]) -> None:
@@ -366,3 +627,7 @@ def nonfinite_total_error(norm_type: float) -> RuntimeError:
         "this error and scale the gradients by the non-finite norm anyway, "
         "set `error_if_nonfinite=False`"
     )
+
+
+#: Whether the Rust core probes kept plans (see :func:`_set_probes`; None: not asked yet).
+_PROBES: bool | None = None

@@ -26,12 +26,15 @@ float64 tensors), and the factors are formed in float32 as timm forms them for f
 from __future__ import annotations
 
 import math
+from itertools import compress, repeat
+from operator import attrgetter, is_not
 
 import torch
 import torch.distributed as dist
 
 from . import _plan as P
 from . import distributed as D
+from . import ops
 from ._policy_state import _check_config, _check_keys
 from .ops import _check_units
 
@@ -42,6 +45,26 @@ __all__ = ["AGC", "adaptive_clip_grad_"]
 
 def _units(p: Tensor) -> int:
     return p.shape[0] if p.dim() > 1 else 1
+
+
+_grad = attrgetter("grad")
+_device = attrgetter("device")
+_shape = attrgetter("shape")
+#: Units per list of parameter shapes (bounded): AGC's units follow the shapes alone.
+_UNITS: dict[tuple, list[int]] = {}
+
+
+def _units_of(params: list[Tensor]) -> list[int]:
+    """Each parameter's number of units (its rows: ``shape[0]``, or 1 for at most one
+    dimension), by its shape; kept per list of shapes, so that a later call maps the shapes
+    alone (C-level) and looks them up."""
+    shapes = tuple(map(_shape, params))
+    units = _UNITS.get(shapes)
+    if units is None:
+        if len(_UNITS) >= 16:
+            _UNITS.clear()
+        units = _UNITS[shapes] = [s[0] if len(s) > 1 else 1 for s in shapes]
+    return units
 
 
 def adaptive_clip_grad_(parameters, clip_factor: float = 0.01, eps: float = 1e-3, norm_type: float = 2.0) -> Tensor:
@@ -55,31 +78,40 @@ def _agc(parameters, clip_factor, eps, norm_type, inv_scale: Tensor | None):
     the rule applies to ``grad * inv_scale``, and the one write leaves ``grad * inv_scale *
     factor`` (unscale and clip together); ``found_inf`` (0-d float32 per device) says whether
     any unit norm, hence any element, was inf or NaN."""
-    if isinstance(parameters, Tensor):
-        parameters = [parameters]
-    params = [p for p in parameters if p.grad is not None]
+    norm_type = P.check_norm_type("gradfuse.adaptive_clip_grad_", norm_type)
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    # C-level maps over the parameters: no Python statement per parameter.
+    grads = list(map(_grad, params))
+    if not all(map(is_not, grads, repeat(None))):
+        keep = list(map(is_not, grads, repeat(None)))
+        params, grads = list(compress(params, keep)), list(compress(grads, keep))
     if not params:
         return torch.tensor(0.0), {}
-    if D.is_dtensor(params[0].grad):  # FSDP2: from the local shards
+    if D.is_dtensor(grads[0]):  # FSDP2: from the local shards
         with torch.no_grad():
             return _agc_sharded(params, clip_factor, eps, norm_type, inv_scale)
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for p in params:
-        by_device.setdefault(p.grad.device, []).append(p)
+    if len(set(map(_device, grads))) == 1:
+        by_device = {grads[0].device: (params, grads)}
+    else:
+        by_device = {}
+        for p, g in zip(params, grads, strict=True):
+            ps, gs = by_device.setdefault(g.device, ([], []))
+            ps.append(p)
+            gs.append(g)
     totals, found = [], {}
     with torch.no_grad():
-        for device, group in by_device.items():
-            weights, grads = [p.detach() for p in group], [p.grad for p in group]
-            units = [_units(p) for p in group]
-            _check_units("gradfuse.adaptive_clip_grad_", grads, units)  # before any pass
-            norms = torch.ops.gradfuse.unit_norms(weights + grads, units + units, float(norm_type))
+        for device, (weights, grads) in by_device.items():
+            # The parameters themselves are the weights: the kernels read their memory (a
+            # detached view per parameter would cost a tensor each).
+            units = _units_of(weights)
+            norms = ops.unit_norms_op(weights + grads, units + units, norm_type)
             w_norm, g_norm = norms.split(sum(units))
             if inv_scale is not None:
                 g_norm = g_norm * inv_scale.to(device, g_norm.dtype)
             factors = _factors(w_norm, g_norm, clip_factor, eps)
             if inv_scale is not None:
                 factors = factors * inv_scale.to(device, factors.dtype)
-            torch.ops.gradfuse.scale_units_(grads, units, factors)
+            ops.scale_units_op(grads, units, factors)
             totals.append(torch.linalg.vector_norm(g_norm, norm_type))
             found[device] = (~torch.isfinite(g_norm).all()).float()
     first = totals[0].device
@@ -148,7 +180,7 @@ def _agc_sharded(params: list[Tensor], clip_factor, eps, norm_type, inv_scale: T
         _check_units("gradfuse.adaptive_clip_grad_", grads, units)  # before any pass
         n_rows, k = sum(units) - len(local), len(flats)
         if grads:
-            w_norm, g_norm = torch.ops.gradfuse.unit_norms(weights + grads, units + units, p).split(sum(units))
+            w_norm, g_norm = ops.unit_norms_op(weights + grads, units + units, p).split(sum(units))
         else:  # nothing here: the all-reduce still needs this rank
             w_norm = g_norm = torch.zeros(0, dtype=torch.float32, device=first)
         if inv_scale is not None:
@@ -178,7 +210,7 @@ def _agc_sharded(params: list[Tensor], clip_factor, eps, norm_type, inv_scale: T
         factors = _factors(torch.cat([w_norm[:n_rows], flat_w]), torch.cat([g_norm[:n_rows], flat_g]), clip_factor, eps)
         if inv_scale is not None:
             factors = factors * inv_scale.to(first, factors.dtype)
-        torch.ops.gradfuse.scale_units_(grads, units, factors)
+        ops.scale_units_op(grads, units, factors)
     powered = torch.stack(powered_totals)
     total = (powered.sum().pow(1.0 / p) if finite else powered.amax()).float()
     found = torch.stack(flags).any().float()

@@ -51,6 +51,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _plan as P
 from . import distributed as D
+from . import ops
 from .ops import accumulate_, check_max_norm
 
 Tensor = torch.Tensor
@@ -77,6 +78,7 @@ _OWNERS: weakref.WeakValueDictionary[int, GradBuckets] = weakref.WeakValueDictio
 _WATCHING = None
 
 _grad = attrgetter("grad")
+_main_grad = attrgetter("main_grad")
 _PLAIN = frozenset({Tensor, torch.nn.Parameter})
 
 
@@ -526,13 +528,15 @@ class GradBuckets:
     def _all_live(self) -> bool:
         """Whether every gradient is its live slot view (and no frozen parameter has one): the
         buffers then hold exactly the gradients, and gaps are zero."""
-        if not all(map(operator.is_, map(_grad, self._grad_params), self._grad_views)):
+        if not P.grads_are(self._grad_params, self._grad_views):
             return False
         if self._main_params:
-            mains = [getattr(p, "main_grad", None) for p in self._main_params]
-            if not all(map(operator.is_, mains, self._main_views)):
+            try:
+                if not all(map(operator.is_, map(_main_grad, self._main_params), self._main_views)):
+                    return False
+            except AttributeError:  # a main_grad deleted
                 return False
-        if list(map(Tensor.data_ptr, self._views)) != self._ptrs:
+        if not P.addrs_are(self._views, self._ptrs):
             return False
         return not self._frozen or all(map(operator.is_, map(_grad, self._frozen), repeat(None)))
 
@@ -580,7 +584,7 @@ class GradBuckets:
         parts = []
         if dense:
             try:
-                parts.append(torch.ops.gradfuse.multi_tensor_norm(dense, norm_type, False)[0])
+                parts.append(ops.multi_tensor_norm_op(dense, norm_type, False)[0])
             except (P.UnsupportedTensorError, P.MixedDevicesError, NotImplementedError):
                 odd = dense + odd
         if odd:
@@ -660,7 +664,7 @@ class GradBuckets:
         with torch.no_grad():
             if self._all_live():
                 if process_group is None and norm_type > 0 and self._buffers:
-                    return torch.ops.gradfuse.clip_grad_norm_(self._buffers, max_norm, norm_type, error_if_nonfinite)
+                    return ops.clip_grad_norm_op(self._buffers, max_norm, norm_type, error_if_nonfinite)
                 total = self._total(
                     self._buffers if norm_type > 0 else self._slots, [], norm_type, error_if_nonfinite, process_group
                 )
@@ -674,7 +678,7 @@ class GradBuckets:
     def _scale(self, dense: list[Tensor], odd: list[Tensor], max_norm: float, total: Tensor) -> None:
         if dense:
             try:
-                torch.ops.gradfuse.clip_grads_with_norm_(dense, max_norm, total.to(dense[0].device))
+                ops.clip_grads_with_norm_op(dense, max_norm, total.to(dense[0].device))
             except (P.UnsupportedTensorError, P.OverlapError, P.MixedDevicesError, NotImplementedError):
                 odd = dense + odd  # nothing was modified; torch's per-tensor rule below
         if odd:

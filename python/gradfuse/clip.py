@@ -35,6 +35,7 @@ import torch.nn.utils.clip_grad
 
 from . import _plan as P
 from . import distributed as D
+from . import ops
 from .buckets import owner_of
 from .ddp_hook import handed_over, state_for
 from .ops import check_max_norm
@@ -48,9 +49,11 @@ _TORCH = {
     for name in ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_")
 }
 _PLAIN = frozenset({Tensor, torch.nn.Parameter})
+_get_device = Tensor.get_device
 _DEVICES = frozenset({"cpu", "cuda"})
-#: What the ops raise, before modifying anything, for calls that torch must answer.
-_TORCHS = (P.UnsupportedTensorError, P.OverlapError)
+#: What the ops raise, before modifying anything, for calls that torch must answer (tensors on
+#: several devices only where a group was guessed wrong: see :func:`_fused_groups`).
+_TORCHS = (P.UnsupportedTensorError, P.OverlapError, P.MixedDevicesError)
 
 
 def _parameters(parameters: _TensorOrTensors, warn_empty_generator: bool) -> list[Tensor]:
@@ -84,7 +87,10 @@ def _fused_groups(tensors: list[Tensor], one_device: bool) -> dict[torch.device,
             return None
     elif not set(map(type, tensors)) <= _PLAIN:
         return None
-    if one_device and not compiling:
+    # One C-level pass of get_device() (~30 ns a tensor; .device makes an object each, ~70 ns).
+    # It cannot tell the CPU from meta (both -1), nor CUDA from another device of the same index:
+    # a wrong guess ends in the op's MixedDevicesError, before anything is modified (see _TORCHS).
+    if not compiling and (one_device or len(set(map(_get_device, tensors))) == 1):
         groups = {tensors[0].device: tensors}
     else:
         groups = {}
@@ -155,7 +161,7 @@ def _combine_totals(totals: list[Tensor], norm_type: float) -> Tensor:
 
 
 def _total_norm(groups: dict[torch.device, list[Tensor]], norm_type: float, error_if_nonfinite: bool) -> Tensor:
-    totals = [torch.ops.gradfuse.multi_tensor_norm(group, norm_type, False)[0] for group in groups.values()]
+    totals = [ops.multi_tensor_norm_op(group, norm_type, False)[0] for group in groups.values()]
     total = _combine_totals(totals, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise P.nonfinite_total_error(norm_type)
@@ -182,7 +188,7 @@ def _local_norm(shards: list[Tensor], norm_type: float, device: torch.device) ->
 
 def _nonzero_counts(groups: dict[torch.device, list[Tensor]]) -> Tensor:
     first = next(iter(groups))
-    return torch.cat([torch.ops.gradfuse.multi_tensor_norm(g, 0.0, True)[1].to(first) for g in groups.values()])
+    return torch.cat([ops.multi_tensor_norm_op(g, 0.0, True)[1].to(first) for g in groups.values()])
 
 
 def _dtensor_total(tensors: list[Tensor], norm_type: float) -> Tensor | None:
@@ -298,7 +304,7 @@ def _scale_grads(parameters: list[Tensor], grads: list[Tensor], max_norm: float,
         _check_all(groups)
         _check_writable_all(groups)
         for device, group in groups.items():
-            torch.ops.gradfuse.clip_grads_with_norm_(group, max_norm, total.to(device, non_blocking=True))
+            ops.clip_grads_with_norm_op(group, max_norm, total.to(device, non_blocking=True))
 
     if total is None or _run_fused(targets, run) is _TO_TORCH:
         _TORCH["clip_grads_with_norm_"](parameters, max_norm, total_norm, foreach)
@@ -371,18 +377,18 @@ def clip_grad_norm_(
             total = hook.total_norm().clone()  # the caller's own, as torch's is
             if error_if_nonfinite and not torch.isfinite(total):
                 raise P.nonfinite_total_error(norm_type)
-            torch.ops.gradfuse.clip_grads_with_norm_(hook.buffers, max_norm, total)
+            ops.clip_grads_with_norm_op(hook.buffers, max_norm, total)
             return total
         if not _is_dtensor(grads):
 
             def run(groups):
                 if len(groups) == 1:
-                    return torch.ops.gradfuse.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
+                    return ops.clip_grad_norm_op(grads, max_norm, norm_type, error_if_nonfinite)
                 _check_all(groups)
                 total = _total_norm(groups, norm_type, error_if_nonfinite)
                 _check_writable_all(groups)
                 for device, group in groups.items():
-                    torch.ops.gradfuse.clip_grads_with_norm_(group, max_norm, total.to(device, non_blocking=True))
+                    ops.clip_grads_with_norm_op(group, max_norm, total.to(device, non_blocking=True))
                 return total
 
             total = _run_fused(grads, run)
@@ -426,7 +432,7 @@ def clip_grad_value_(parameters: _TensorOrTensors, clip_value: float, foreach: b
         _check_all(groups)
         _check_writable_all(groups)
         for group in groups.values():
-            torch.ops.gradfuse.clamp_(group, -clip_value, clip_value)
+            ops.clamp_op(group, -clip_value, clip_value)
 
     if _run_fused(grads, run) is _TO_TORCH:
         _TORCH["clip_grad_value_"](parameters, clip_value, foreach)

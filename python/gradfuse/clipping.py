@@ -36,6 +36,7 @@ import math
 import torch
 
 from . import distributed as D
+from . import ops
 from ._policy_state import _check_config, _check_keys
 from .buckets import owner_of
 from .clip import _TO_TORCH, _check_all, _check_writable_all, _grads, _parameters, _run_fused, get_total_norm
@@ -108,7 +109,7 @@ def scale_grads_(grads: list[Tensor], coef: Tensor) -> None:
         _check_all(groups)
         _check_writable_all(groups)
         for device, group in groups.items():
-            torch.ops.gradfuse.multi_tensor_scale_(group, coef.to(device, non_blocking=True))
+            ops.multi_tensor_scale_op(group, coef.to(device, non_blocking=True))
 
     if _run_fused(targets, run) is _TO_TORCH:
         with torch.no_grad():

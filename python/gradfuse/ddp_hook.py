@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import _plan as P
+from . import ops
 
 Tensor = torch.Tensor
 
@@ -161,10 +162,10 @@ class DDPHookState:
             try:
                 with torch.no_grad():
                     if averaged:
-                        partial, found = torch.ops.gradfuse.unscale_check_norm(tensors, one, self.norm_type)
+                        partial, found = ops.unscale_check_norm_op(tensors, one, self.norm_type)
                     else:
                         found = torch.zeros((), dtype=torch.float32, device=reduced.device)
-                        partial = torch.ops.gradfuse.unscale_norm_(tensors, inv, found, self.norm_type)
+                        partial = ops.unscale_norm_op(tensors, inv, found, self.norm_type)
             except Exception as err:  # the gradients are still DDP's; only the measure is lost
                 if not averaged:
                     reduced.mul_(inv)

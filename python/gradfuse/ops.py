@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import NamedTuple
 
 import torch
@@ -40,15 +41,27 @@ def _backend(device: torch.device):
         return _triton()
     if choice == "triton":
         return _triton()
-    from . import _cpu
-
-    return _cpu
+    return _cpu()
 
 
 def _triton():
-    from . import kernels
+    if not _BACKENDS["triton"]:
+        from . import _triton
 
-    return kernels
+        _BACKENDS["triton"].append(_triton)
+    return _BACKENDS["triton"][0]
+
+
+def _cpu():
+    if not _BACKENDS["cpu"]:
+        from . import _cpu
+
+        _BACKENDS["cpu"].append(_cpu)
+    return _BACKENDS["cpu"][0]
+
+
+#: The backend modules, imported on first use (the Triton one imports triton).
+_BACKENDS: dict[str, list] = {"cpu": [], "triton": []}
 
 
 # Sparse layouts get the same kernel so that they reach the plan, which rejects them with an
@@ -57,12 +70,77 @@ def _triton():
 _DISPATCH_KEYS = ("CPU", "CUDA", "SparseCPU", "SparseCUDA", "SparseCsrCPU", "SparseCsrCUDA")
 
 
-def _register(schema: str, impl, fake) -> None:
-    name = schema.split("(", 1)[0]
-    _LIB.define(schema)
-    for key in _DISPATCH_KEYS:
-        _LIB.impl(name, impl, key)
-    torch.library.register_fake(f"gradfuse::{name}", fake, lib=_LIB)
+def direct() -> bool:
+    """Whether an eager call may run an op's implementation straight away, without the
+    dispatcher's round trip (~8-12 us): nothing is tracing or compiling, no torch function or
+    dispatch mode and no functorch transform is active (each would see or change the op), and the
+    profiler is off (it records ops at the dispatcher). The call then does exactly what the
+    dispatcher would have it do for plain CPU and CUDA tensors: the same implementation (tensors
+    the plans cannot describe, on other devices say, still go through the dispatcher)."""
+    if torch.compiler.is_compiling():  # first: dynamo folds it, and traces no further
+        return False
+    return not (
+        torch._C._is_torch_function_mode_enabled()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._are_functorch_transforms_active()
+        or torch.autograd._profiler_enabled()
+    )
+
+
+class _Op:
+    """One ``gradfuse::`` op: its registration (implementation on every backend key, fake
+    implementation) and its eager entry.
+
+    ``run`` is the implementation for arguments already checked (numbers as floats, checked as
+    ``check`` checks them); the registered implementation is ``run(*check(*args))``. Calling the
+    ``_Op`` object is the eager entry for callers that checked the arguments themselves (the
+    drop-ins, the scaler, the buckets): ``run`` directly when :func:`direct` allows, else the
+    registered op through the dispatcher. Either way, bad tensors raise from the plan, naming the
+    op and the index, before anything is modified.
+    """
+
+    def __init__(self, schema: str, run, fake, check=None):
+        self.name = schema.split("(", 1)[0]
+        self.run = run
+        self.check = check
+        _LIB.define(schema)
+        for key in _DISPATCH_KEYS:
+            _LIB.impl(self.name, self._impl, key)
+        torch.library.register_fake(f"gradfuse::{self.name}", fake, lib=_LIB)
+        self.overload = getattr(torch.ops.gradfuse, self.name).default
+
+    def _impl(self, *args):
+        return self.run(*self.check(*args)) if self.check is not None else self.run(*args)
+
+    def __call__(self, *args):
+        if direct():
+            try:
+                return self.run(*args)
+            except P.NotPlannable:
+                pass  # tensors only the dispatcher knows what to do with (meta, say)
+        return self.overload(*args)
+
+    def public(self, *args):
+        """The call of a public wrapper: arguments not checked yet, and autograd may watch. The
+        dispatcher's autograd step has something to do only for tensors that require grad while
+        grad mode is on: then it runs; otherwise this is the eager entry."""
+        if not direct() or (torch.is_grad_enabled() and any(map(_requires_grad, _tensors_of(args)))):
+            return self.overload(*args)
+        try:
+            return self._impl(*args)
+        except P.NotPlannable:
+            return self.overload(*args)
+
+
+_requires_grad = attrgetter("requires_grad")
+
+
+def _tensors_of(args):
+    for a in args:
+        if isinstance(a, Tensor):
+            yield a
+        elif isinstance(a, list):
+            yield from a
 
 
 def check_max_norm(op: str, max_norm) -> float:
@@ -86,16 +164,25 @@ def _out_dtype(tensors: list[Tensor]) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def _empty_norm_check(op: str, name: str, norm_type: float, plan: P.Plan) -> None:
+    """torch refuses norms without an identity (inf, -inf, negative orders) of empty tensors."""
+    if plan.empty and (math.isinf(norm_type) or norm_type < 0):
+        P.check_empty_norm(op, name, norm_type, plan.numels)
+
+
 # --- multi_tensor_norm --------------------------------------------------------------------
 
 _NORM = "gradfuse.multi_tensor_norm"
 
 
-def _norm_impl(tensors: list[Tensor], norm_type: float, per_tensor: bool):
-    norm_type = P.check_norm_type(_NORM, norm_type)
+def _norm_run(tensors: list[Tensor], norm_type: float, per_tensor: bool):
     plan = P.make_plan(_NORM, "tensors", tensors, inplace=False)
-    P.check_empty_norm(_NORM, "tensors", norm_type, plan.numels)
+    _empty_norm_check(_NORM, "tensors", norm_type, plan)
     return _backend(plan.device).norm(plan, norm_type, per_tensor)
+
+
+def _norm_check(tensors, norm_type, per_tensor):
+    return tensors, P.check_norm_type(_NORM, norm_type), per_tensor
 
 
 def _norm_fake(tensors, norm_type, per_tensor):
@@ -106,10 +193,11 @@ def _norm_fake(tensors, norm_type, per_tensor):
     return torch.empty((), dtype=out, device=device), torch.empty(n, dtype=out, device=device)
 
 
-_register(
+multi_tensor_norm_op = _Op(
     "multi_tensor_norm(Tensor[] tensors, float norm_type, bool per_tensor) -> (Tensor, Tensor)",
-    _norm_impl,
+    _norm_run,
     _norm_fake,
+    _norm_check,
 )
 
 # --- multi_tensor_scale_ ------------------------------------------------------------------
@@ -117,7 +205,7 @@ _register(
 _SCALE = "gradfuse.multi_tensor_scale_"
 
 
-def _scale_impl(tensors: list[Tensor], scale: Tensor) -> None:
+def _scale_run(tensors: list[Tensor], scale: Tensor) -> None:
     if not tensors:  # reachable through `scale`, which gives the dispatcher a device
         return
     plan = P.make_plan(_SCALE, "tensors", tensors, inplace=True)
@@ -130,15 +218,14 @@ def _scale_fake(tensors, scale):
     P.check_scalar(_SCALE, "scale", scale, _fake_device(_SCALE, "tensors", tensors))
 
 
-_register("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor scale) -> ()", _scale_impl, _scale_fake)
+multi_tensor_scale_op = _Op("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor scale) -> ()", _scale_run, _scale_fake)
 
 # --- clip_grads_with_norm_ ----------------------------------------------------------------
 
 _CLIPN = "gradfuse.clip_grads_with_norm_"
 
 
-def _clip_with_norm_impl(grads: list[Tensor], max_norm: float, total_norm: Tensor) -> None:
-    max_norm = check_max_norm(_CLIPN, max_norm)
+def _clip_with_norm_run(grads: list[Tensor], max_norm: float, total_norm: Tensor) -> None:
     if not grads:
         return
     plan = P.make_plan(_CLIPN, "grads", grads, inplace=True)
@@ -147,15 +234,20 @@ def _clip_with_norm_impl(grads: list[Tensor], max_norm: float, total_norm: Tenso
     plan.finish_inplace(grads)
 
 
+def _clip_with_norm_check(grads, max_norm, total_norm):
+    return grads, check_max_norm(_CLIPN, max_norm), total_norm
+
+
 def _clip_with_norm_fake(grads, max_norm, total_norm):
     check_max_norm(_CLIPN, max_norm)
     P.check_scalar(_CLIPN, "total_norm", total_norm, _fake_device(_CLIPN, "grads", grads))
 
 
-_register(
+clip_grads_with_norm_op = _Op(
     "clip_grads_with_norm_(Tensor(a!)[] grads, float max_norm, Tensor total_norm) -> ()",
-    _clip_with_norm_impl,
+    _clip_with_norm_run,
     _clip_with_norm_fake,
+    _clip_with_norm_check,
 )
 
 # --- clip_grad_norm_ ----------------------------------------------------------------------
@@ -163,27 +255,29 @@ _register(
 _CLIP = "gradfuse.clip_grad_norm_"
 
 
-def _clip_impl(grads: list[Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
-    max_norm = check_max_norm(_CLIP, max_norm)
-    norm_type = P.check_norm_type(_CLIP, norm_type)
+def _clip_run(grads: list[Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
     plan = P.make_plan(_CLIP, "grads", grads, inplace=True)
-    P.check_empty_norm(_CLIP, "grads", norm_type, plan.numels)
+    _empty_norm_check(_CLIP, "grads", norm_type, plan)
     total = _backend(plan.device).clip_grad_norm_(plan, max_norm, norm_type, error_if_nonfinite)
     plan.finish_inplace(grads)
     return total
 
 
+def _clip_check(grads, max_norm, norm_type, error_if_nonfinite):
+    return grads, check_max_norm(_CLIP, max_norm), P.check_norm_type(_CLIP, norm_type), error_if_nonfinite
+
+
 def _clip_fake(grads, max_norm, norm_type, error_if_nonfinite):
-    check_max_norm(_CLIP, max_norm)
-    P.check_norm_type(_CLIP, norm_type)
+    _clip_check(grads, max_norm, norm_type, error_if_nonfinite)
     device = _fake_device(_CLIP, "grads", grads)
     return torch.empty((), dtype=_out_dtype(grads), device=device)
 
 
-_register(
+clip_grad_norm_op = _Op(
     "clip_grad_norm_(Tensor(a!)[] grads, float max_norm, float norm_type, bool error_if_nonfinite) -> Tensor",
-    _clip_impl,
+    _clip_run,
     _clip_fake,
+    _clip_check,
 )
 
 # --- unscale_and_check_ -------------------------------------------------------------------
@@ -197,7 +291,7 @@ def _check_amp_scalars(op: str, inv_scale: Tensor, found_inf: Tensor | None, dev
         P.check_scalar(op, "found_inf", found_inf, device, float32=True)
 
 
-def _unscale_impl(tensors: list[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
+def _unscale_run(tensors: list[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
     if not tensors:
         return
     plan = P.make_plan(_UNSCALE, "tensors", tensors, inplace=True)
@@ -211,9 +305,9 @@ def _unscale_fake(tensors, inv_scale, found_inf):
     _check_amp_scalars(_UNSCALE, inv_scale, found_inf, _fake_device(_UNSCALE, "tensors", tensors))
 
 
-_register(
+unscale_and_check_op = _Op(
     "unscale_and_check_(Tensor(a!)[] tensors, Tensor inv_scale, Tensor(b!) found_inf) -> ()",
-    _unscale_impl,
+    _unscale_run,
     _unscale_fake,
 )
 
@@ -222,14 +316,17 @@ _register(
 _UCN = "gradfuse.unscale_check_norm"
 
 
-def _ucn_impl(tensors: list[Tensor], inv_scale: Tensor, norm_type: float):
-    norm_type = P.check_norm_type(_UCN, norm_type)
+def _ucn_run(tensors: list[Tensor], inv_scale: Tensor, norm_type: float):
     if not tensors:
         return _zeros_like_scalar(inv_scale, torch.float32), _zeros_like_scalar(inv_scale, torch.float32)
     plan = P.make_plan(_UCN, "tensors", tensors, inplace=False)
     _check_amp_scalars(_UCN, inv_scale, None, plan.device)
-    P.check_empty_norm(_UCN, "tensors", norm_type, plan.numels)
+    _empty_norm_check(_UCN, "tensors", norm_type, plan)
     return _backend(plan.device).unscale_check_norm(plan, inv_scale, norm_type)
+
+
+def _ucn_check(tensors, inv_scale, norm_type):
+    return tensors, inv_scale, P.check_norm_type(_UCN, norm_type)
 
 
 def _ucn_fake(tensors, inv_scale, norm_type):
@@ -240,10 +337,11 @@ def _ucn_fake(tensors, inv_scale, norm_type):
     return torch.empty((), dtype=out, device=device), torch.empty((), dtype=torch.float32, device=device)
 
 
-_register(
+unscale_check_norm_op = _Op(
     "unscale_check_norm(Tensor[] tensors, Tensor inv_scale, float norm_type) -> (Tensor, Tensor)",
-    _ucn_impl,
+    _ucn_run,
     _ucn_fake,
+    _ucn_check,
 )
 
 # --- unscale_and_clip_ --------------------------------------------------------------------
@@ -251,33 +349,35 @@ _register(
 _UCLIP = "gradfuse.unscale_and_clip_"
 
 
-def _uclip_impl(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor, max_norm: float, norm_type: float):
-    max_norm = check_max_norm(_UCLIP, max_norm)
-    norm_type = P.check_norm_type(_UCLIP, norm_type)
+def _uclip_run(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor, max_norm: float, norm_type: float):
     if not grads:
         return _zeros_like_scalar(inv_scale, torch.float32)
     plan = P.make_plan(_UCLIP, "grads", grads, inplace=True)
     _check_amp_scalars(_UCLIP, inv_scale, found_inf, plan.device)
-    P.check_empty_norm(_UCLIP, "grads", norm_type, plan.numels)
+    _empty_norm_check(_UCLIP, "grads", norm_type, plan)
     total = _backend(plan.device).unscale_and_clip_(plan, inv_scale, found_inf, max_norm, norm_type)
     plan.finish_inplace(grads)
     P.bump_versions([found_inf])
     return total
 
 
+def _uclip_check(grads, inv_scale, found_inf, max_norm, norm_type):
+    return grads, inv_scale, found_inf, check_max_norm(_UCLIP, max_norm), P.check_norm_type(_UCLIP, norm_type)
+
+
 def _uclip_fake(grads, inv_scale, found_inf, max_norm, norm_type):
-    check_max_norm(_UCLIP, max_norm)
-    P.check_norm_type(_UCLIP, norm_type)
+    _uclip_check(grads, inv_scale, found_inf, max_norm, norm_type)
     device = _fake_device(_UCLIP, "grads", grads)
     _check_amp_scalars(_UCLIP, inv_scale, found_inf, device)
     return torch.empty((), dtype=_out_dtype(grads), device=device)
 
 
-_register(
+unscale_and_clip_op = _Op(
     "unscale_and_clip_(Tensor(a!)[] grads, Tensor inv_scale, Tensor(b!) found_inf, float max_norm, "
     "float norm_type) -> Tensor",
-    _uclip_impl,
+    _uclip_run,
     _uclip_fake,
+    _uclip_check,
 )
 
 # --- unscale_norm_ ------------------------------------------------------------------------
@@ -285,17 +385,20 @@ _register(
 _UNORM = "gradfuse.unscale_norm_"
 
 
-def _unorm_impl(tensors: list[Tensor], inv_scale: Tensor, found_inf: Tensor, norm_type: float):
-    norm_type = P.check_norm_type(_UNORM, norm_type)
+def _unorm_run(tensors: list[Tensor], inv_scale: Tensor, found_inf: Tensor, norm_type: float):
     if not tensors:
         return _zeros_like_scalar(inv_scale, torch.float32)
     plan = P.make_plan(_UNORM, "tensors", tensors, inplace=True)
     _check_amp_scalars(_UNORM, inv_scale, found_inf, plan.device)
-    P.check_empty_norm(_UNORM, "tensors", norm_type, plan.numels)
+    _empty_norm_check(_UNORM, "tensors", norm_type, plan)
     total = _backend(plan.device).unscale_norm_(plan, inv_scale, found_inf, norm_type)
     plan.finish_inplace(tensors)
     P.bump_versions([found_inf])
     return total
+
+
+def _unorm_check(tensors, inv_scale, found_inf, norm_type):
+    return tensors, inv_scale, found_inf, P.check_norm_type(_UNORM, norm_type)
 
 
 def _unorm_fake(tensors, inv_scale, found_inf, norm_type):
@@ -305,10 +408,11 @@ def _unorm_fake(tensors, inv_scale, found_inf, norm_type):
     return torch.empty((), dtype=_out_dtype(tensors), device=device)
 
 
-_register(
+unscale_norm_op = _Op(
     "unscale_norm_(Tensor(a!)[] tensors, Tensor inv_scale, Tensor(b!) found_inf, float norm_type) -> Tensor",
-    _unorm_impl,
+    _unorm_run,
     _unorm_fake,
+    _unorm_check,
 )
 
 # --- accumulate_ --------------------------------------------------------------------------
@@ -321,13 +425,11 @@ def _check_pairs(dst, src):
     P.check_same_shapes(_ACC, "dst", dst, "src", src)
 
 
-def _acc_impl(dst: list[Tensor], src: list[Tensor], alpha: float) -> None:
+def _acc_run(dst: list[Tensor], src: list[Tensor], alpha: float) -> None:
     _check_pairs(dst, src)
     d = P.make_plan(_ACC, "dst", dst, inplace=True, dense_ok=False)
     s = P.make_plan(_ACC, "src", src, inplace=False, device=d.device, dense_ok=False)
-    if d.copied or s.copied:
-        # The backends see copies, which overlap nothing: compare what they stand for.
-        P.check_disjoint(_ACC, "dst", d.originals, "src", s.originals)
+    P.check_reads(_ACC, d, dst, s, src)
     _backend(d.device).accumulate_(d, s, float(alpha))
     d.finish_inplace(dst)
 
@@ -340,14 +442,14 @@ def _acc_fake(dst, src, alpha):
         P.check_device(_ACC, "src", src, device, strict=True)
 
 
-_register("accumulate_(Tensor(a!)[] dst, Tensor[] src, float alpha) -> ()", _acc_impl, _acc_fake)
+accumulate_op = _Op("accumulate_(Tensor(a!)[] dst, Tensor[] src, float alpha) -> ()", _acc_run, _acc_fake)
 
 # --- clamp_ -------------------------------------------------------------------------------
 
 _CLAMP = "gradfuse.clamp_"
 
 
-def _clamp_impl(tensors: list[Tensor], min: float, max: float) -> None:
+def _clamp_run(tensors: list[Tensor], min: float, max: float) -> None:
     plan = P.make_plan(_CLAMP, "tensors", tensors, inplace=True)
     _backend(plan.device).clamp_(plan, float(min), float(max))
     plan.finish_inplace(tensors)
@@ -357,7 +459,7 @@ def _clamp_fake(tensors, min, max):
     _fake_device(_CLAMP, "tensors", tensors)
 
 
-_register("clamp_(Tensor(a!)[] tensors, float min, float max) -> ()", _clamp_impl, _clamp_fake)
+clamp_op = _Op("clamp_(Tensor(a!)[] tensors, float min, float max) -> ()", _clamp_run, _clamp_fake)
 
 
 # --- multi_tensor_stats -------------------------------------------------------------------
@@ -365,11 +467,14 @@ _register("clamp_(Tensor(a!)[] tensors, float min, float max) -> ()", _clamp_imp
 _STATS = "gradfuse.multi_tensor_stats"
 
 
-def _stats_impl(tensors: list[Tensor], norm_type: float):
-    norm_type = P.check_norm_type(_STATS, norm_type)
+def _stats_run(tensors: list[Tensor], norm_type: float):
     plan = P.make_plan(_STATS, "tensors", tensors, inplace=False)
-    P.check_empty_norm(_STATS, "tensors", norm_type, plan.numels)
+    _empty_norm_check(_STATS, "tensors", norm_type, plan)
     return _backend(plan.device).stats(plan, norm_type)
+
+
+def _stats_check(tensors, norm_type):
+    return tensors, P.check_norm_type(_STATS, norm_type)
 
 
 def _stats_fake(tensors, norm_type):
@@ -384,15 +489,16 @@ def _stats_fake(tensors, norm_type):
     )
 
 
-_register(
+multi_tensor_stats_op = _Op(
     "multi_tensor_stats(Tensor[] tensors, float norm_type) -> (Tensor, Tensor, Tensor, Tensor)",
-    _stats_impl,
+    _stats_run,
     _stats_fake,
+    _stats_check,
 )
 
 # --- unit_norms, scale_units_ (adaptive gradient clipping) --------------------------------
 
-_UNORM = "gradfuse.unit_norms"
+_UNITS = "gradfuse.unit_norms"
 _USCALE = "gradfuse.scale_units_"
 
 
@@ -405,24 +511,33 @@ def _check_units(op: str, tensors: list[Tensor], units: list[int]) -> None:
             raise ValueError(f"{op}: tensors[{i}] has {n} elements, which cannot be split into units={u} equal units")
 
 
-def _unorm_impl(tensors: list[Tensor], units: list[int], norm_type: float):
-    norm_type = P.check_norm_type(_UNORM, norm_type)
-    _check_units(_UNORM, tensors, units)
+def _units_run(tensors: list[Tensor], units: list[int], norm_type: float):
     # Units are rows in logical (row-major) order: a dense but permuted tensor is copied.
-    plan = P.make_plan(_UNORM, "tensors", tensors, inplace=False, dense_ok=False)
+    plan = P.make_plan(_UNITS, "tensors", tensors, inplace=False, dense_ok=False)
     # A unit of an empty tensor is empty: no identity for these orders (torch refuses them too).
-    P.check_empty_norm(_UNORM, "tensors", norm_type, [n if u else 1 for n, u in zip(plan.numels, units, strict=True)])
+    if math.isinf(norm_type) or norm_type < 0:
+        P.check_empty_norm(
+            _UNITS, "tensors", norm_type, [n if u else 1 for n, u in zip(plan.numels, units, strict=True)]
+        )
     return _backend(plan.device).unit_norms(plan, list(units), norm_type)
 
 
-def _unorm_fake(tensors, units, norm_type):
-    P.check_norm_type(_UNORM, norm_type)
-    _check_units(_UNORM, tensors, units)
-    device = _fake_device(_UNORM, "tensors", tensors)
+def _units_check(tensors, units, norm_type):
+    norm_type = P.check_norm_type(_UNITS, norm_type)
+    _check_units(_UNITS, tensors, units)
+    return tensors, units, norm_type
+
+
+def _units_fake(tensors, units, norm_type):
+    P.check_norm_type(_UNITS, norm_type)
+    _check_units(_UNITS, tensors, units)
+    device = _fake_device(_UNITS, "tensors", tensors)
     return torch.empty(sum(units), dtype=_out_dtype(tensors), device=device)
 
 
-_register("unit_norms(Tensor[] tensors, int[] units, float norm_type) -> Tensor", _unorm_impl, _unorm_fake)
+unit_norms_op = _Op(
+    "unit_norms(Tensor[] tensors, int[] units, float norm_type) -> Tensor", _units_run, _units_fake, _units_check
+)
 
 
 def _check_factors(factors: Tensor, units: list[int], device) -> None:
@@ -435,8 +550,7 @@ def _check_factors(factors: Tensor, units: list[int], device) -> None:
         raise ValueError(f"{_USCALE}: factors is on {factors.device}, the tensors on {device}")
 
 
-def _uscale_impl(tensors: list[Tensor], units: list[int], factors: Tensor) -> None:
-    _check_units(_USCALE, tensors, units)
+def _uscale_run(tensors: list[Tensor], units: list[int], factors: Tensor) -> None:
     if not tensors:
         return
     plan = P.make_plan(_USCALE, "tensors", tensors, inplace=True, dense_ok=False)
@@ -445,12 +559,19 @@ def _uscale_impl(tensors: list[Tensor], units: list[int], factors: Tensor) -> No
     plan.finish_inplace(tensors)
 
 
+def _uscale_check(tensors, units, factors):
+    _check_units(_USCALE, tensors, units)
+    return tensors, units, factors
+
+
 def _uscale_fake(tensors, units, factors):
     _check_units(_USCALE, tensors, units)
     _check_factors(factors, units, _fake_device(_USCALE, "tensors", tensors))
 
 
-_register("scale_units_(Tensor(a!)[] tensors, int[] units, Tensor factors) -> ()", _uscale_impl, _uscale_fake)
+scale_units_op = _Op(
+    "scale_units_(Tensor(a!)[] tensors, int[] units, Tensor factors) -> ()", _uscale_run, _uscale_fake, _uscale_check
+)
 
 # --- public wrappers ----------------------------------------------------------------------
 
@@ -479,7 +600,7 @@ def multi_tensor_norm(
     if not tensors:
         total = torch.zeros(())
         return (total, torch.zeros(0)) if per_tensor else total
-    total, per = torch.ops.gradfuse.multi_tensor_norm(tensors, float(norm_type), per_tensor)
+    total, per = multi_tensor_norm_op.public(tensors, float(norm_type), per_tensor)
     return (total, per) if per_tensor else total
 
 
@@ -498,7 +619,7 @@ def multi_tensor_scale_(tensors: Tensor | Iterable[Tensor], scale: Tensor | floa
     """
     tensors = as_tensor_list(tensors)
     if tensors:
-        torch.ops.gradfuse.multi_tensor_scale_(tensors, _scalar_on(scale, tensors[0], torch.float64))
+        multi_tensor_scale_op.public(tensors, _scalar_on(scale, tensors[0], torch.float64))
 
 
 def unscale_and_check_(tensors: Tensor | Iterable[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
@@ -507,7 +628,7 @@ def unscale_and_check_(tensors: Tensor | Iterable[Tensor], inv_scale: Tensor, fo
     one-element float32 tensors on the tensors' device."""
     tensors = as_tensor_list(tensors)
     if tensors:
-        torch.ops.gradfuse.unscale_and_check_(tensors, inv_scale, found_inf)
+        unscale_and_check_op.public(tensors, inv_scale, found_inf)
 
 
 def unscale_check_norm(tensors: Tensor | Iterable[Tensor], inv_scale: Tensor, norm_type: float = 2.0):
@@ -518,7 +639,7 @@ def unscale_check_norm(tensors: Tensor | Iterable[Tensor], inv_scale: Tensor, no
     ``found_inf`` is a new 0-d float32 tensor, 1.0 if any element was inf or NaN.
     """
     tensors = as_tensor_list(tensors)
-    return torch.ops.gradfuse.unscale_check_norm(tensors, inv_scale, float(norm_type))
+    return unscale_check_norm_op.public(tensors, inv_scale, float(norm_type))
 
 
 def unscale_and_clip_(
@@ -536,8 +657,7 @@ def unscale_and_clip_(
     is skipped.
     """
     tensors = as_tensor_list(tensors)
-    max_norm = check_max_norm("gradfuse.unscale_and_clip_", max_norm)
-    return torch.ops.gradfuse.unscale_and_clip_(tensors, inv_scale, found_inf, max_norm, float(norm_type))
+    return unscale_and_clip_op.public(tensors, inv_scale, found_inf, check_max_norm(_UCLIP, max_norm), float(norm_type))
 
 
 def unscale_norm_(tensors: Tensor | Iterable[Tensor], inv_scale: Tensor, found_inf: Tensor, norm_type: float = 2.0):
@@ -549,7 +669,7 @@ def unscale_norm_(tensors: Tensor | Iterable[Tensor], inv_scale: Tensor, found_i
     ``found_inf`` are one-element float32 tensors on the tensors' device.
     """
     tensors = as_tensor_list(tensors)
-    return torch.ops.gradfuse.unscale_norm_(tensors, inv_scale, found_inf, float(norm_type))
+    return unscale_norm_op.public(tensors, inv_scale, found_inf, float(norm_type))
 
 
 def accumulate_(dst: Tensor | Iterable[Tensor], src: Tensor | Iterable[Tensor], alpha: float = 1.0) -> None:
@@ -559,7 +679,7 @@ def accumulate_(dst: Tensor | Iterable[Tensor], src: Tensor | Iterable[Tensor], 
     dst, src = as_tensor_list(dst), as_tensor_list(src)
     P.check_same_length(_ACC, "dst", dst, "src", src)
     if dst:
-        torch.ops.gradfuse.accumulate_(dst, src, float(alpha))
+        accumulate_op.public(dst, src, float(alpha))
 
 
 class TensorStats(NamedTuple):
@@ -584,4 +704,4 @@ def multi_tensor_stats(tensors: Tensor | Iterable[Tensor], norm_type: float = 2.
     if not tensors:
         empty = torch.zeros(0)
         return TensorStats(torch.zeros(()), empty, empty.clone(), torch.zeros(0, dtype=torch.int64))
-    return TensorStats(*torch.ops.gradfuse.multi_tensor_stats(tensors, float(norm_type)))
+    return TensorStats(*multi_tensor_stats_op.public(tensors, float(norm_type)))

@@ -52,6 +52,9 @@ import inspect
 import math
 import weakref
 from dataclasses import dataclass
+from functools import partial
+from itertools import chain
+from operator import attrgetter, is_not, itemgetter
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -59,9 +62,10 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _plan as P
 from . import distributed as D
+from . import ops
 from .clip import _TO_TORCH, _TORCHS, _check_all, _combine_totals, _fused_groups, _nonzero_counts, _run_fused
 from .ddp_hook import DDPHookState, handed_over, state_for
-from .ops import check_max_norm, multi_tensor_scale_, unscale_and_check_, unscale_and_clip_, unscale_check_norm
+from .ops import check_max_norm, multi_tensor_scale_, unscale_check_norm
 
 Tensor = torch.Tensor
 
@@ -123,7 +127,15 @@ def _refuse_a_second_step(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    return [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
+    """The gradients of the optimizer's parameters, None skipped (C-level maps, no loop per parameter)."""
+    params = chain.from_iterable(map(_params, optimizer.param_groups))
+    return list(filter(_not_none, map(_grad, params)))
+
+
+_params = itemgetter("params")
+_grad = attrgetter("grad")
+_dtype = attrgetter("dtype")
+_not_none = partial(is_not, None)
 
 
 def _folds(optimizer: torch.optim.Optimizer) -> bool:
@@ -135,7 +147,7 @@ def _folds(optimizer: torch.optim.Optimizer) -> bool:
 def _refuse_fp16(grads: list[Tensor]) -> None:
     """torch's rule for an enabled scaler, kept by ``unscale_`` and ``unscale_and_clip_`` alike:
     fp16 gradients would lose what the loss scale protects once unscaled in place."""
-    if any(g.dtype == torch.float16 for g in grads):
+    if torch.float16 in set(map(_dtype, grads)):
         raise ValueError("Attempting to unscale FP16 gradients.")
 
 
@@ -263,7 +275,7 @@ class GradScaler(torch.amp.GradScaler):
                     found = {}
                     for device, group in groups.items():
                         found[device] = found_inf.to(device, copy=True)
-                        unscale_and_check_(group, inv_scale.to(device), found[device])
+                        ops.unscale_and_check_op(group, inv_scale.to(device), found[device])
                     return found
             except _TORCHS:  # sparse gradients and the like: torch's way
                 pass
@@ -361,10 +373,10 @@ class GradScaler(torch.amp.GradScaler):
                     else:
                         grad_scale = None
                         for device, group in groups.items():
-                            multi_tensor_scale_(group, (inv_scale * coef).to(device))
+                            ops.multi_tensor_scale_op(group, (inv_scale * coef).to(device))
                 else:
                     found = {first: torch.zeros((), dtype=torch.float32, device=first)}
-                    total = unscale_and_clip_(groups[first], inv_scale, found[first], max_norm, norm_type)
+                    total = ops.unscale_and_clip_op(groups[first], inv_scale, found[first], max_norm, norm_type)
                     grad_scale = None
         except _TORCHS:
             return self._unscale_and_clip_by_torch(optimizer, max_norm, norm_type, divisor)
@@ -412,7 +424,7 @@ class GradScaler(torch.amp.GradScaler):
         device, clip coefficient), all on the devices."""
         norms, found = [], {}
         for device, group in groups.items():
-            norm, found[device] = unscale_check_norm(group, inv_scale.to(device), norm_type)
+            norm, found[device] = ops.unscale_check_norm_op(group, inv_scale.to(device), norm_type)
             norms.append(norm)
         total = _combine_totals(norms, norm_type)
         return total, found, clip_coef(total, max_norm).to(inv_scale.device)
@@ -497,7 +509,7 @@ class GradScaler(torch.amp.GradScaler):
             _check_all(groups)
             for device, group in groups.items():
                 if observe is None:
-                    norm, found[device] = unscale_check_norm(group, inv_scale.to(device), norm_type)
+                    norm, found[device] = ops.unscale_check_norm_op(group, inv_scale.to(device), norm_type)
                 else:
                     # Per-tensor norms, largest magnitudes and inf/NaN counts of the scaled
                     # gradients; the norm scales exactly by a power-of-two inv_scale (GradScaler's

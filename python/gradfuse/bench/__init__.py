@@ -61,7 +61,7 @@ def default_out_dir() -> Path:
 def bench(args: argparse.Namespace, command: list[str] | None = None) -> int:
     """Run the benchmark described by parsed ``args``; returns the exit status (1 when a
     workload failed, its traceback printed and the others still reported)."""
-    from . import engine, report
+    from . import engine, host, report
 
     if args.reps is not None and args.reps < 1:
         raise BenchError(f"--reps must be at least 1, got {args.reps}")
@@ -81,6 +81,7 @@ def bench(args: argparse.Namespace, command: list[str] | None = None) -> int:
     stem, command = report.file_stem(device, date, tag), command or sys.argv
 
     def save(run: engine.RunResult, complete: bool) -> list[Path]:
+        host.slopes(run.results)  # the host family's per-tensor slopes, into its records
         records = report.build_records(run, device, date)
         return report.write_files(out_dir, stem, records, run, command, complete=complete)
 
@@ -88,7 +89,10 @@ def bench(args: argparse.Namespace, command: list[str] | None = None) -> int:
     # run stopped part way (a time limit, a crash, Ctrl-C) leaves the records of what finished.
     run = engine.run(device, workloads, reps, on_progress=lambda partial: save(partial, complete=False))
 
+    host_summary = host.slopes(run.results)
     print(report.format_table(report.build_records(run, device, date)))
+    if host_summary:
+        print("\n" + host_summary)
     paths = save(run, complete=True)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     for name, error in run.failures:

@@ -29,6 +29,7 @@ import torch
 
 from .cases import FAMILY_CLASSES, Family, clear_cache
 from .health import HEALTH_FAMILIES
+from .host import HOST_FAMILIES
 from .measure import BackgroundLoad, BenchError, Device
 from .results import ImplResult, WorkloadResult
 from .training import TRAINING_FAMILIES
@@ -39,7 +40,9 @@ BUSY = 0.05
 
 
 def make_family(workload: Workload, device: torch.device, quick: bool) -> Family:
-    return (FAMILY_CLASSES | TRAINING_FAMILIES | HEALTH_FAMILIES)[workload.family](workload, device, quick)
+    return (FAMILY_CLASSES | TRAINING_FAMILIES | HEALTH_FAMILIES | HOST_FAMILIES)[workload.family](
+        workload, device, quick
+    )
 
 
 class Runner:

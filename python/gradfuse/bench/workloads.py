@@ -24,6 +24,7 @@ Shape = tuple[int, ...]
 
 FAMILIES = (
     "clip", "buckets", "amp", "accumulate", "ddp", "fsdp", "step", "trainer", "stats", "zclip", "agc", "health",
+    "host",
 )  # fmt: skip
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
@@ -32,6 +33,11 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 SWEEP_COUNTS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 SWEEP_TOTAL = 2**26  # 256 MiB of fp32 gradients: well past the 50 MB L2 of an H100
 SWEEP_TOTAL_QUICK = 2**20
+#: The host-time family (bench/host.py): tensor counts (1, GPT-2's 148, 2000, 10,000) of tiny
+#: gradients, and the APIs timed.
+HOST_COUNTS = (1, 148, 2000, 10_000)
+HOST_ELEMENTS = 16
+HOST_APIS = ("clip", "buckets", "scaler")
 
 
 def gpt2_shapes(vocab: int = 50257, ctx: int = 1024, d: int = 768, layers: int = 12) -> list[Shape]:
@@ -79,6 +85,12 @@ def gpt2small_shapes(quick: bool) -> list[Shape]:
     return [tuple(p.shape) for p in GPT(model_config(quick)[0]).parameters()]
 
 
+def host_shapes(n: int):
+    """``host<n>``: ``n`` gradients of HOST_ELEMENTS elements (the same with ``--quick``)."""
+    shapes = lambda: [(HOST_ELEMENTS,)] * n  # noqa: E731
+    return shapes, shapes
+
+
 def uniform_shapes(n: int, numel: int) -> list[Shape]:
     return [(numel,)] * n
 
@@ -99,6 +111,7 @@ SHAPE_SETS = {
     "transformer": (lambda: transformer_shapes(False), lambda: transformer_shapes(True)),
     "gpt2small": (lambda: gpt2small_shapes(False), lambda: gpt2small_shapes(True)),
     **{f"sweep{n}": _sweep(n) for n in SWEEP_COUNTS},
+    **{f"host{n}": host_shapes(n) for n in HOST_COUNTS},
 }
 
 
@@ -112,6 +125,8 @@ class Workload:
 
     @property
     def name(self) -> str:
+        if self.family == "host":  # host_<api>_<tensors>
+            return f"host_{self.mode}_{self.shape_set.removeprefix('host')}"
         parts = [self.family, self.shape_set, DTYPE_NAMES[self.dtype]]
         return "_".join([*parts, self.mode] if self.mode else parts)
 
@@ -158,6 +173,8 @@ WORKLOADS: list[Workload] = [
     Workload("accumulate", "llama1b", BF16, cuda_only=True),
     *_both("clip", "tiny10000", F32, cuda_only=True),
     *(Workload("clip", f"sweep{n}", F32, "active", cuda_only=True) for n in SWEEP_COUNTS),
+    # Host time of a call on the same list again, per API and tensor count (bench/host.py).
+    *(Workload("host", f"host{n}", F32, api) for api in HOST_APIS for n in HOST_COUNTS),
 ]
 
 
@@ -177,11 +194,12 @@ def available(device_type: str) -> list[Workload]:
 
 def select(device_type: str, patterns: list[str] | None) -> list[Workload]:
     """The workloads matching any pattern: a family name, a workload name, or a glob over
-    workload names (``clip_gpt2_*``). No patterns: all of them. Raises ``ValueError`` naming a
-    pattern that matches nothing on this device."""
+    workload names (``clip_gpt2_*``). No patterns: all of them but the ``host`` family (host time
+    per call, run on request: ``--workloads host``). Raises ``ValueError`` naming a pattern that
+    matches nothing on this device."""
     candidates = available(device_type)
     if not patterns:
-        return candidates
+        return [w for w in candidates if w.family != "host"]
     chosen: set[str] = set()
     for pattern in patterns:
         hits = [w.name for w in candidates if pattern in (w.family, "all") or fnmatch.fnmatchcase(w.name, pattern)]

@@ -1,0 +1,68 @@
+"""Host time per call (median µs) through the public API alone, so that it runs against any
+version of gradfuse: the drop-in clip, `GradBuckets.clip_grad_norm_` and
+`GradScaler.unscale_and_clip_` on the same list again (16-element fp32 gradients, an inactive clip,
+one thread) at 1, 148, 2000 and 10,000 tensors.
+
+Usage: PYTHONPATH=<a checkout>/python taskset -c 1 python benches/host_time.py [clip] [buckets] [scaler]
+
+Run it against two checkouts in turn, alternating, to compare them on one machine.
+"""
+
+import statistics
+import sys
+import time
+
+import torch
+
+import gradfuse
+
+COUNTS = (1, 148, 2000, 10_000)
+MAX_NORM = 1e6  # far above the gradients' norm: an inactive clip
+
+
+def params(n: int) -> list[torch.nn.Parameter]:
+    ps = [torch.nn.Parameter(torch.zeros(16)) for _ in range(n)]
+    for p in ps:
+        p.grad = torch.randn(16) * 1e-2
+    return ps
+
+
+def median_us(call, reps: int, after=None) -> float:
+    for _ in range(2):
+        call()
+        if after:
+            after()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter_ns()
+        call()
+        times.append(time.perf_counter_ns() - start)
+        if after:
+            after()  # untimed
+    return statistics.median(times) / 1e3
+
+
+def main(apis: list[str]) -> None:
+    torch.set_num_threads(1)
+    for n in COUNTS:
+        reps = 2000 if n < 1000 else (300 if n < 5000 else 60)
+        row = {}
+        if "clip" in apis:
+            ps = params(n)
+            row["clip"] = median_us(lambda ps=ps: gradfuse.clip_grad_norm_(ps, MAX_NORM), reps)
+        if "buckets" in apis:
+            buckets = gradfuse.GradBuckets(params(n))
+            row["buckets"] = median_us(lambda b=buckets: b.clip_grad_norm_(MAX_NORM), reps)
+            buckets.remove()
+        if "scaler" in apis:
+            ps = params(n)
+            opt = torch.optim.SGD(ps, lr=0.0)
+            # A loss scale of 1 that never grows: unscaling changes nothing, call after call.
+            scaler = gradfuse.GradScaler("cpu", init_scale=1.0, growth_interval=2**30)
+            scaler.scale(torch.ones(()))
+            row["scaler"] = median_us(lambda s=scaler, o=opt: s.unscale_and_clip_(o, MAX_NORM), reps, scaler.update)
+        print(n, {k: round(v, 1) for k, v in row.items()}, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["clip", "buckets", "scaler"])

@@ -1,0 +1,304 @@
+"""Triton backend of the ``gradfuse::`` ops: CUDA tensors (and, with ``GRADFUSE_BACKEND=triton``
+under ``TRITON_INTERPRET=1``, CPU tensors).
+
+Same functions, arguments, results and side effects as the CPU backend (``gradfuse._cpu``): each
+takes validated plans (``gradfuse._plan``) and runs the kernels (``gradfuse.kernels``) from the
+plan's chunk table, which the plan keeps (``memo``): built at the first call on a list, moved
+(its addresses uploaded alone) when the same kind of tensors come at other addresses. One launch
+per dtype group covers every tensor, whatever their number. Nothing here waits for the device or
+reads a device value on the host, except ``clip_grad_norm_(error_if_nonfinite=True)``, whose error
+needs the total on the host; every call can be captured in a CUDA graph after one warm-up call,
+as usual, so that the table is built and uploaded outside the capture. A plan used while a graph
+is captured is kept for the life of the process (the graph replays with its table's addresses).
+
+A chunk table's scratch buffers (norm partials and counters) serve one call at a time: calls on
+one stream are ordered, but two norms of the very same tensors running concurrently on two
+streams would share them.
+
+Launches per call, for tensors of one dtype: ``norm`` 1 (the last program finalizes), ``stats`` 2,
+``unit_norms`` 1, ``scale_units_`` 1, ``scale_``/``clip_grads_with_norm_``/``unscale_and_check_``/
+``accumulate_``/``clamp_`` 1, ``clip_grad_norm_`` 2, ``unscale_check_norm`` 1, ``unscale_and_clip_`` 2.
+Mixed dtypes (or mixed 16-byte address alignment) add one launch per extra group to each pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._plan import DTYPE_CODES, Plan, nonfinite_total_error
+from .kernels import ChunkTable, _accumulate, _clamp, _norm, _scale, _stats, _unitwise, _unscale
+from .kernels import _chunk_table as ct
+
+#: Plans whose tables a captured CUDA graph uses: never freed.
+_PINNED: dict[int, Plan] = {}
+_NOTHING: dict = {}
+
+
+def _capturing(plan: Plan) -> bool:
+    return plan.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
+
+
+def _capture_error() -> RuntimeError:
+    return RuntimeError(
+        "gradfuse: these tensors were first seen while a CUDA graph was being captured; run the call once "
+        "before capturing (the usual warm-up), so that its chunk table is built and uploaded outside the capture"
+    )
+
+
+def _kept(plan: Plan, key, make, move):
+    """The table ``plan.memo[key]``: made by ``make()`` the first time, or ``move(table)`` from
+    the table of the plan this one moved from (None: made anew); pins the plan while a CUDA graph
+    is captured, where nothing may be made or uploaded."""
+    table = plan.memo.get(key)
+    if table is not None and table.chunk != ct.CHUNK:
+        table = None  # built with another chunk size (tests change it)
+    if table is None:
+        if _capturing(plan):
+            raise _capture_error()
+        old = plan.memo.get("moved_from", _NOTHING).get(key)
+        if old is not None and old.chunk == ct.CHUNK:
+            table = move(old)
+        if table is None:
+            table = make()
+        plan.memo[key] = table
+    elif plan.device.type == "cuda" and id(plan) not in _PINNED and _capturing(plan):
+        _PINNED[id(plan)] = plan
+    return table
+
+
+def _table(plan: Plan) -> ChunkTable:
+    return _kept(
+        plan,
+        "table",
+        lambda: ChunkTable(plan.device, [plan.addrs], plan.numels, [plan.codes]),
+        lambda old: old.moved([plan.addrs]),
+    )
+
+
+def _pair_table(dst: Plan, src: Plan) -> ChunkTable:
+    """The two-sided table of ``dst[i] += src[i]``, kept with ``dst`` for the last ``src`` plan
+    it was used with."""
+    pair = dst.memo.get("pair")
+    if pair is not None and pair[0] is not src:
+        del dst.memo["pair"], dst.memo["pair table"]
+    table = _kept(
+        dst,
+        "pair table",
+        lambda: ChunkTable(dst.device, [dst.addrs, src.addrs], dst.numels, [dst.codes, src.codes]),
+        lambda old: None,
+    )
+    dst.memo["pair"] = (src,)
+    return table
+
+
+def _unit_table(plan: Plan, units: list[int]) -> ChunkTable:
+    """The table of the units of ``plan`` (``units[i]`` equal parts of tensor ``i``), each a
+    tensor of its own."""
+
+    def rows():
+        itemsizes = [b // n if n else 1 for b, n in zip(plan.nbytes, plan.numels, strict=True)]
+        return _unitwise.unit_rows(plan.addrs, plan.numels, plan.codes, itemsizes, units)
+
+    def make():
+        addrs, numels, codes = rows()
+        return ChunkTable(plan.device, [addrs], numels, [codes])
+
+    return _kept(plan, ("units", tuple(units)), make, lambda old: old.moved([rows()[0]]))
+
+
+def _launch_on(plan: Plan):
+    """The CUDA device of the plan made current for the call (launches go to the current device)."""
+    if plan.device.type == "cuda" and torch._C._cuda_getDevice() != plan.device.index:
+        return torch.cuda.device(plan.device)
+    return _NO_SWITCH
+
+
+class _NoSwitch:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+_NO_SWITCH = _NoSwitch()
+
+
+def _empty_norm(plan: Plan):
+    out = plan.out_dtype
+    total = torch.zeros((), dtype=out, device=plan.device)
+    return total, torch.zeros(0, dtype=out, device=plan.device)
+
+
+def norm(plan: Plan, norm_type: float, per_tensor: bool):
+    """``(total, per)``: the ``norm_type``-norm of all tensors (0-d) and of each (shape ``(n,)``,
+    or ``(0,)`` unless ``per_tensor``), in ``plan.out_dtype``."""
+    if len(plan) == 0:
+        return _empty_norm(plan)
+    out = plan.out_dtype
+    total = torch.empty((), dtype=out, device=plan.device)
+    per = torch.empty(len(plan) if per_tensor else 0, dtype=out, device=plan.device)
+    with _launch_on(plan):
+        _norm.multi_tensor_norm(_table(plan), norm_type, total, per if per_tensor else None)
+    return total, per
+
+
+def stats(plan: Plan, norm_type: float):
+    """``(total, norms, amax, nonfinite)``: the total norm (0-d), and per tensor its norm, its
+    largest magnitude (``plan.out_dtype``) and its count of inf/NaN elements (int64), in one
+    read of the tensors (two launches, see ``kernels._stats``)."""
+    out, n, device = plan.out_dtype, len(plan), plan.device
+    norms, amax = torch.empty(n, dtype=out, device=device), torch.empty(n, dtype=out, device=device)
+    nonfinite = torch.empty(n, dtype=torch.int64, device=device)
+    if n == 0:
+        return torch.zeros((), dtype=out, device=device), norms, amax, nonfinite
+    total = torch.empty((), dtype=out, device=device)
+    with _launch_on(plan):
+        _stats.multi_tensor_stats(_table(plan), norm_type, total, norms, amax, nonfinite)
+    return total, norms, amax, nonfinite
+
+
+def unit_norms(plan: Plan, units: list[int], norm_type: float) -> torch.Tensor:
+    """The norm of every unit (``units[i]`` equal parts of tensor ``i``): one norm launch over
+    the units as tensors of their own."""
+    out = torch.empty(sum(units), dtype=plan.out_dtype, device=plan.device)
+    if out.numel():
+        total = torch.empty((), dtype=plan.out_dtype, device=plan.device)
+        with _launch_on(plan):
+            _norm.multi_tensor_norm(_unit_table(plan, units), norm_type, total, out)
+    return out
+
+
+def scale_units_(plan: Plan, units: list[int], factors: torch.Tensor) -> None:
+    """``x *= factors[k]`` for every element of unit ``k``; units with factor 1 are not touched."""
+    if sum(units):
+        table = _unit_table(plan, units)
+        plan.before_write()
+        with _launch_on(plan):
+            _unitwise.scale_units_(table, factors)
+
+
+def scale_(plan: Plan, scale: torch.Tensor) -> None:
+    """``x *= scale`` in place; ``scale`` is a one-element device tensor, read by the kernel (a
+    scale of exactly 1 touches nothing)."""
+    if len(plan):
+        table = _table(plan)
+        plan.before_write()
+        with _launch_on(plan):
+            _scale.multi_tensor_scale_(table, _scale.SCALE, scale, _code(scale))
+
+
+def _code(t: torch.Tensor) -> int:
+    code = DTYPE_CODES.get(t.dtype)
+    if code is None:
+        raise TypeError(f"gradfuse: a scale or total norm of dtype {t.dtype} is not supported")
+    return code
+
+
+def clip_grads_with_norm_(plan: Plan, max_norm: float, total_norm: torch.Tensor) -> None:
+    """``x *= clamp(max_norm / (total_norm + 1e-6), max=1)`` with the coefficient computed on the
+    device in ``total_norm``'s dtype (torch's arithmetic); a coefficient of 1 touches nothing."""
+    if len(plan):
+        table = _table(plan)
+        plan.before_write()
+        with _launch_on(plan):
+            _scale.multi_tensor_scale_(table, _scale.CLIP, total_norm, _code(total_norm), max_norm)
+
+
+def clip_grad_norm_(plan: Plan, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+    """Total norm, then clipping by it: two launches (norm with fused finalize, then scale)."""
+    if len(plan) == 0:
+        return _empty_norm(plan)[0]
+    table = _table(plan)
+    total = torch.empty((), dtype=plan.out_dtype, device=plan.device)
+    with _launch_on(plan):
+        _norm.multi_tensor_norm(table, norm_type, total)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            # The one host sync of this backend, asked for by the caller; nothing was modified yet.
+            raise nonfinite_total_error(norm_type)
+        plan.before_write()
+        _scale.multi_tensor_scale_(table, _scale.CLIP, total, DTYPE_CODES[total.dtype], max_norm)
+    return total
+
+
+def unscale_and_check_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """As ``torch._amp_foreach_non_finite_check_and_unscale_``: ``x *= inv_scale``, and
+    ``found_inf = 1.0`` if any ``x`` was inf or NaN (never reset to 0)."""
+    if len(plan):
+        table = _table(plan)
+        plan.before_write(found_inf)
+        with _launch_on(plan):
+            _unscale.unscale_and_check_(table, inv_scale, found_inf)
+
+
+def unscale_check_norm(plan: Plan, inv_scale: torch.Tensor, norm_type: float):
+    """One read-only pass: ``(norm of x * inv_scale, found_inf)``, ``found_inf`` a new 0-d
+    float32 tensor (1.0 if any ``x`` was inf or NaN)."""
+    found = torch.empty((), dtype=torch.float32, device=inv_scale.device)
+    if len(plan) == 0:
+        return _empty_norm(plan)[0], found.zero_()
+    table = _table(plan)
+    total = torch.empty((), dtype=plan.out_dtype, device=plan.device)
+    with _launch_on(plan):
+        _norm.multi_tensor_norm(table, norm_type, total, None, inv_scale, found, _norm.FOUND_WRITE)
+    return total, found
+
+
+def _measure_then_scale(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, norm_type: float, scale):
+    """The read-only unscale+check+norm pass, then ``scale(table, total)``, the write pass;
+    returns the norm of the unscaled tensors."""
+    if len(plan) == 0:
+        return _empty_norm(plan)[0]
+    table = _table(plan)
+    total = torch.empty((), dtype=plan.out_dtype, device=plan.device)
+    plan.before_write(found_inf)
+    with _launch_on(plan):
+        _norm.multi_tensor_norm(table, norm_type, total, None, inv_scale, found_inf, _norm.FOUND_SET)
+        scale(table, total)
+    return total
+
+
+def unscale_and_clip_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, max_norm: float, norm_type: float):
+    """Read-only unscale+check+norm pass, then one write pass by ``inv_scale * clip_coef(norm)``
+    (skipped when that product is exactly 1); returns the norm of the unscaled tensors."""
+    return _measure_then_scale(
+        plan,
+        inv_scale,
+        found_inf,
+        norm_type,
+        lambda table, total: _scale.multi_tensor_scale_(
+            table, _scale.UNSCALE_CLIP, total, DTYPE_CODES[total.dtype], max_norm, inv_scale
+        ),
+    )
+
+
+def unscale_norm_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, norm_type: float):
+    """``x *= inv_scale`` in place; returns the norm of the scaled values and sets ``found_inf``
+    to 1.0 if any ``x`` was inf or NaN. Two launches (a read-only norm pass, then the write):
+    the DDP hook takes this path only for gloo on CUDA; with NCCL the all-reduce averages and
+    the hook's pass is read-only."""
+    return _measure_then_scale(
+        plan,
+        inv_scale,
+        found_inf,
+        norm_type,
+        lambda table, total: _scale.multi_tensor_scale_(table, _scale.SCALE, inv_scale, DTYPE_CODES[inv_scale.dtype]),
+    )
+
+
+def accumulate_(dst: Plan, src: Plan, alpha: float) -> None:
+    """``dst[i] += alpha * src[i]``, in float64 if either side is float64, else float32."""
+    if len(dst):
+        table = _pair_table(dst, src)
+        dst.before_write()
+        with _launch_on(dst):
+            _accumulate.accumulate_(table, alpha)
+
+
+def clamp_(plan: Plan, lo: float, hi: float) -> None:
+    """``x = min(max(x, lo), hi)`` in place, NaN kept."""
+    if len(plan):
+        table = _table(plan)
+        plan.before_write()
+        with _launch_on(plan):
+            _clamp.clamp_(table, lo, hi)

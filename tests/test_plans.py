@@ -1,0 +1,376 @@
+"""Kept plans are never stale (``gradfuse._plan``).
+
+A plan is validated once and kept; later calls confirm it against their tensors. Here sequences of
+calls are interleaved with every way the tensors can change under a kept plan (a replaced
+``.grad``, ``set_``, ``.data =``, ``resize_``, a dtype change, grads turning None, a changed
+order, a new list of the same length, memory or object ids reused, aliases introduced, layouts
+changed), and after each call the result is checked against torch and a float64 reference, on
+the Rust core and on the Triton kernels (interpreter). Plus: what a plan keeps (no tensors, a
+bounded cache), and that repeated calls reuse it (moved when the gradients are made again).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import random
+import weakref
+from itertools import pairwise
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import gradfuse
+from gradfuse import _plan
+from reference import close, ref_norms, same_bits
+
+TORCH_CLIP = torch.nn.utils.clip_grad_norm_
+TORCH_CLIP_WITH_NORM = torch.nn.utils.clip_grads_with_norm_
+SHAPES = [(4, 6), (16,), (3, 5), (7,), (2, 8)]
+
+
+def rand_like(t: torch.Tensor, generator) -> torch.Tensor:
+    return (torch.randn(t.shape, dtype=torch.float64, generator=generator) * 3).to(t.dtype)
+
+
+class World:
+    """Parameters and gradients that the steps change, and the calls that check them."""
+
+    def __init__(self, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.params = [self._param(s, torch.bfloat16 if i == 3 else torch.float32) for i, s in enumerate(SHAPES)]
+
+    def _param(self, shape, dtype) -> torch.nn.Parameter:
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        p.grad = rand_like(p, self.gen)
+        return p
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def pick(self, with_grad: bool = True) -> torch.nn.Parameter | None:
+        choices = [p for p in self.params if (p.grad is not None) == with_grad]
+        return self.rng.choice(choices) if choices else None
+
+    # --- the changes ------------------------------------------------------------------------
+
+    def replace(self):
+        if (p := self.pick()) is not None:
+            p.grad = rand_like(p, self.gen)
+
+    def set_(self):
+        if (p := self.pick()) is not None:
+            g = p.grad
+            fresh = rand_like(g, self.gen)
+            g.set_(fresh.untyped_storage(), 0, g.shape, g.stride())
+
+    def set_inside(self):
+        """``set_`` to a contiguous window in the middle of a larger buffer."""
+        if (p := self.pick()) is not None:
+            g = p.grad
+            big = rand_like(torch.empty(g.numel() + 13, dtype=g.dtype), self.gen)
+            g.set_(big.untyped_storage(), 5, g.shape)
+
+    def data(self):
+        if (p := self.pick()) is not None:
+            p.grad.data = rand_like(p.grad, self.gen)
+
+    def data_dtype(self):
+        """``.data =`` to another dtype (the parameter keeps its own)."""
+        if (p := self.pick()) is not None:
+            other = torch.float64 if p.grad.dtype != torch.float64 else torch.float32
+            p.grad.data = p.grad.data.to(other)
+
+    def view_dtype(self):
+        """The same bytes read as another dtype: same address, same size in bytes."""
+        p = self.pick()
+        if p is not None and p.grad.dtype == torch.float32 and p.grad.is_contiguous():
+            p.grad.data = p.grad.data.view(torch.bfloat16)
+            p.grad.copy_(rand_like(p.grad, self.gen))  # the low halves of float32 are no sane bfloat16
+
+    def resize(self):
+        if (p := self.pick()) is not None and p.grad.numel() > 2:
+            p.grad.resize_(p.grad.numel() // 2)
+
+    def none(self):
+        if (p := self.pick()) is not None:
+            p.grad = None
+
+    def revive(self):
+        if (p := self.pick(with_grad=False)) is not None:
+            p.grad = rand_like(p, self.gen)
+
+    def order(self):
+        self.rng.shuffle(self.params)
+
+    def new_list(self):
+        """Fresh parameters of the same kinds: a new list of the same length."""
+        self.params = [self._param(p.shape, p.dtype) for p in self.params]
+
+    def free_and_reuse(self):
+        """Every gradient freed, then made again at once: the allocator hands back the same memory
+        (and Python the same object ids) as often as not, with other values."""
+        shapes = [(p, p.grad.shape, p.grad.dtype) for p in self.params if p.grad is not None]
+        for p, _, _ in shapes:
+            p.grad = None
+        gc.collect()
+        for p, shape, dtype in shapes:
+            if shape == p.shape and dtype == p.dtype:
+                p.grad = rand_like(p, self.gen)
+
+    def alias(self):
+        """One gradient shared by two parameters (the same tensor), or overlapping views."""
+        same = [(a, b) for a in self.params for b in self.params if a is not b and a.shape == b.shape]
+        same = [(a, b) for a, b in same if a.grad is not None and a.grad.shape == b.shape and a.grad.dtype == b.dtype]
+        if same and self.rng.random() < 0.5:
+            a, b = self.rng.choice(same)
+            b.grad = a.grad
+            return
+        p = self.pick()
+        if p is not None and p.grad.dtype == p.dtype and p.grad.shape == p.shape and p.dim() == 1:
+            q = next((q for q in self.params if q is not p and q.shape == p.shape and q.dtype == p.dtype), None)
+            if q is not None:
+                base = rand_like(torch.empty(p.numel() + 3, dtype=p.dtype), self.gen)
+                p.grad, q.grad = base[: p.numel()], base[3:]
+
+    def non_contiguous(self):
+        if (p := self.pick()) is not None and p.grad.shape == p.shape and p.dim() >= 1:
+            wide = rand_like(torch.empty(*p.shape[:-1], 2 * p.shape[-1], dtype=p.dtype), self.gen)
+            p.grad = wide[..., ::2]
+
+    def transpose(self):
+        p = self.pick()
+        if p is not None and p.grad.dim() == 2:
+            p.grad.t_()
+
+    def values(self):
+        if (p := self.pick()) is not None:
+            p.grad.mul_(3.0)
+
+    # --- the calls ---------------------------------------------------------------------------
+
+    def check_clip(self, max_norm: float):
+        """The drop-in clip: the total as the float64 reference, the gradients as torch scales
+        them by that total (aliases included), the kept plans whatever they are."""
+        # torch's clip reads ``.grad`` of what it is given; one deepcopy keeps the aliasing.
+        reference = [SimpleNamespace(grad=g) for g in copy.deepcopy([p.grad for p in self.params])]
+        before = [g.clone() for g in self.grads()]
+        total = gradfuse.clip_grad_norm_(self.params, max_norm)
+        if aliased(self.grads()):  # handed to torch: torch's answer, bit for bit
+            assert same_bits(total, TORCH_CLIP(reference, max_norm))
+        else:
+            want, _ = ref_norms(before, 2.0)
+            assert close(total.item(), want, 4e-6), (total.item(), want)
+            TORCH_CLIP_WITH_NORM(reference, max_norm, total)
+        for p, q in zip(self.params, reference, strict=True):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                assert same_bits(p.grad, q.grad), (p.grad, q.grad)
+
+    def check_total(self, norm_type: float):
+        grads = self.grads()
+        total = gradfuse.get_total_norm(grads, norm_type)
+        want = torch.nn.utils.get_total_norm([g.double() for g in grads], norm_type)
+        assert close(total.item(), want.item(), 4e-6), (total.item(), want.item())
+
+    def check_unscale_and_clip(self, max_norm: float):
+        """The fused op: refuses aliases (as documented), else unscales and clips."""
+        grads = self.grads()
+        inv, found = torch.full((), 0.25), torch.zeros(())
+        before = [g.clone() for g in grads]
+        if aliased(grads):
+            with pytest.raises(_plan.OverlapError, match="overlap in memory"):
+                gradfuse.unscale_and_clip_(grads, inv, found, max_norm)
+            assert all(same_bits(g, b) for g, b in zip(grads, before, strict=True)) and found.item() == 0
+            return
+        total = gradfuse.unscale_and_clip_(grads, inv, found, max_norm)
+        want, _ = ref_norms([b.double() * 0.25 for b in before], 2.0)
+        assert close(total.item(), want, 4e-6), (total.item(), want)
+        assert found.item() == float(not all(torch.isfinite(b).all() for b in before))
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        factor = 0.25 * coef.item()
+        for g, b in zip(grads, before, strict=True):
+            m = torch.float64 if b.dtype == torch.float64 else torch.float32
+            assert same_bits(g, (b.to(m) * torch.tensor(factor, dtype=torch.float64).to(m)).to(b.dtype))
+
+
+def aliased(grads: list[torch.Tensor]) -> bool:
+    """Whether two gradients' memory spans meet (the steps make aliases only of whole spans)."""
+    spans = []
+    for g in grads:
+        if g.numel():
+            extent = sum((n - 1) * st for n, st in zip(g.shape, g.stride(), strict=True)) + 1
+            spans.append((g.data_ptr(), g.data_ptr() + extent * g.element_size()))
+    spans.sort()
+    return any(a[1] > b[0] for a, b in pairwise(spans))
+
+
+CHANGES = [
+    "replace",
+    "set_",
+    "set_inside",
+    "data",
+    "data_dtype",
+    "view_dtype",
+    "resize",
+    "none",
+    "revive",
+    "order",
+    "new_list",
+    "free_and_reuse",
+    "alias",
+    "non_contiguous",
+    "transpose",
+    "values",
+]
+
+
+def run_call(world: World, which: int):
+    if which == 0:
+        world.check_clip(max_norm=world.rng.choice([0.5, 1e6]))
+    elif which == 1:
+        world.check_total(world.rng.choice([2.0, 1.0, math.inf]))
+    else:
+        world.check_unscale_and_clip(max_norm=world.rng.choice([0.5, 1e6]))
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_every_change_under_a_kept_plan_gives_torchs_answer(backend, change):
+    """Each call twice first (the plan is made, then kept), then the change, then every call."""
+    world = World(seed=CHANGES.index(change))
+    for which in (0, 1, 2, 0, 1, 2):
+        run_call(world, which)
+    for _ in range(3):  # some changes need a gradient of a certain kind: try a few times
+        getattr(world, change)()
+        for which in (0, 1, 2):
+            run_call(world, which)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_sequences_of_changes_and_calls(backend, seed):
+    world = World(seed=100 + seed)
+    for _ in range(18):
+        if world.rng.random() < 0.6:
+            getattr(world, world.rng.choice(CHANGES))()
+        run_call(world, world.rng.randrange(3))
+
+
+# --- what a plan keeps, and that it is kept ------------------------------------------------
+
+
+def test_a_kept_plan_holds_no_tensor():
+    grads = [torch.randn(10), torch.randn(3, 4)]
+    refs = [weakref.ref(g) for g in grads]
+    for _ in range(2):
+        gradfuse.clip_grad_norm_(grads, 1.0)
+        gradfuse.get_total_norm(grads)
+    assert _plan._PLANS  # kept
+    del grads
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_the_same_bytes_as_another_dtype_at_the_same_address_are_planned_anew(backend):
+    """Memory a kept plan described, now a tensor of another dtype and length (the same bytes):
+    the new tensor's norm, not the old reading of its bytes."""
+    storage = torch.randn(8, dtype=torch.float64)
+    as_f32 = [storage.view(torch.float32)]
+    for _ in range(2):
+        gradfuse.multi_tensor_norm(as_f32)
+    as_f64 = [storage]  # same address, same size in bytes
+    want, _ = ref_norms(as_f64, 2.0)
+    assert close(gradfuse.multi_tensor_norm(as_f64).item(), want, 1e-12)
+
+
+def test_an_empty_tensor_on_another_device_is_not_taken_for_the_kept_one():
+    """An empty tensor's address says nothing about its device: it is read at every call."""
+    tensors = [torch.zeros(0), torch.randn(5)]
+    for _ in range(2):
+        gradfuse.multi_tensor_norm(tensors)
+    with pytest.raises(_plan.MixedDevicesError, match=r"tensors\[0\] is on meta"):
+        gradfuse.multi_tensor_norm([torch.zeros(0, device="meta"), tensors[1]])
+
+
+def test_an_inference_tensor_in_place_of_a_kept_one_gets_torchs_error():
+    """Outside inference mode torch refuses to write an inference tensor in place: so does a
+    call that finds one where a kept plan had a normal tensor (same size, dtype, address or not)."""
+    grads = [torch.randn(6), torch.randn(4)]
+    for _ in range(2):
+        gradfuse.clip_grad_norm_(grads, 1e-3)
+    with torch.inference_mode():
+        frozen = [grads[0].clone(), grads[1]]
+    before = [g.clone() for g in frozen]
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        torch.ops.gradfuse.clip_grad_norm_(frozen, 1e-3, 2.0, False)
+    assert all(same_bits(g, b) for g, b in zip(frozen, before, strict=True))
+
+
+def _count_builds(monkeypatch) -> list:
+    """The ops of the plans made from here on (none kept before)."""
+    _plan.clear_plans()
+    built = []
+    real = _plan._build
+
+    def counting(op, name, tensors, *args):
+        built.append(op)
+        return real(op, name, tensors, *args)
+
+    monkeypatch.setattr(_plan, "_build", counting)
+    return built
+
+
+def test_a_training_loop_plans_once(backend, monkeypatch):
+    """The Trainer's step: gradients set to None, made again by backward (often at other
+    addresses), unscaled, clipped and stepped by the scaler: the plans made by the first step are
+    moved by the later ones, never made anew."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = gradfuse.GradScaler("cpu", init_scale=2.0**8)
+    built = _count_builds(monkeypatch)
+    x = torch.randn(32, 8)
+    totals = []
+    for step in range(4):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(model(x).square().mean()).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        total = scaler.unscale_and_clip_(opt, max_norm=0.1)
+        want, _ = ref_norms([g.double() / 2.0**8 for g in grads], 2.0)
+        assert close(total.item(), want, 4e-6)
+        scaler.step(opt)
+        scaler.update()
+        totals.append(total.item())
+        if step == 0:
+            first = len(built)
+    assert first >= 1 and len(built) == first, built
+
+
+def test_the_drop_in_clip_plans_once_over_gradients_made_again(backend, monkeypatch):
+    model = torch.nn.Linear(5, 3)
+    built = _count_builds(monkeypatch)
+    for step in range(4):
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(7, 5)).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        total = gradfuse.clip_grad_norm_(model.parameters(), 0.5)
+        want, _ = ref_norms(grads, 2.0)
+        assert close(total.item(), want, 4e-6)
+        if step == 0:
+            first = len(built)
+    assert len(built) == first == 1, built
+
+
+def test_a_plan_moved_at_every_step_keeps_no_chain_of_tables(backend):
+    """Gradients made again at every step move the plan every call: each moved plan takes what
+    its predecessor derived (the chunk table, to move) and nothing older."""
+    grads = [torch.randn(7), torch.randn(3, 3)]
+    plans = []
+    for _ in range(6):
+        grads = [g.clone() for g in grads]  # new memory, as backward makes after zero_grad(set_to_none)
+        gradfuse.multi_tensor_norm(grads)
+        plans.append(_plan.make_plan("t", "tensors", grads, inplace=False))
+    for plan in plans[1:]:
+        inherited = plan.memo.get("moved_from", {})
+        assert "moved_from" not in inherited
