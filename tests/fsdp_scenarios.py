@@ -555,7 +555,8 @@ def split_tied_weights_are_refused_before_anything_is_sharded(rank, world):
     ]
     for units, where in cases:
         try:
-            Trainer(net, opt, batches, settings(fsdp_units=units), loss_fn=mse)
+            # With activation checkpointing too: the refusal must not leave forwards wrapped either.
+            Trainer(net, opt, batches, settings(fsdp_units=units, activation_checkpointing=["Block"]), loss_fn=mse)
         except ValueError as err:
             message = str(err)
             assert "embed.weight (in unit 'embed' (Embed)) is the same parameter as" in message, message
@@ -567,6 +568,7 @@ def split_tied_weights_are_refused_before_anything_is_sharded(rank, world):
         assert all(torch.equal(p, v) for (_, p), v in zip(params, values, strict=True))
         assert not any(isinstance(p, DTensor) for p in net.parameters()) and not opt.state
         assert [list(g["params"]) for g in opt.param_groups] == held
+        assert not any("forward" in vars(m) for m in net.modules()), "a refused Trainer left a forward wrapped"
     trainer = Trainer(net, opt, batches, settings(fsdp_units=GROUPED), loss_fn=mse)
     rows = trainer.fit()
     _, fresh_rows, fresh_weights = train("fsdp", "fp32", rank, world, make_model=tied_model, fsdp_units=GROUPED)

@@ -83,21 +83,24 @@ def model_loss(model: torch.nn.Module, batch) -> torch.Tensor:
     return loss
 
 
-def checkpoint_activations(model: torch.nn.Module, class_names: Iterable[str]) -> int:
-    """Recompute the activations of every module whose class is named in ``class_names`` in
-    backward instead of keeping them (``torch.utils.checkpoint``, non-reentrant). Returns how
-    many modules were wrapped; a name that matches no module is an error."""
+def modules_to_checkpoint(model: torch.nn.Module, class_names: Iterable[str]) -> list[torch.nn.Module]:
+    """The modules of ``model`` whose class is named in ``class_names`` (for
+    ``checkpoint_activations``); a name that matches no module is an error."""
     wanted = set(class_names)
     present = {type(m).__name__ for m in model.modules()}
-    if wanted - present:  # checked before anything is wrapped
+    if wanted - present:
         raise ValueError(
             f"TrainConfig.activation_checkpointing names {sorted(wanted - present)}, but the model has no module "
             f"of that class (it has: {', '.join(sorted(present))})"
         )
-    wrapped = [m for m in model.modules() if type(m).__name__ in wanted]
-    for module in wrapped:
+    return [m for m in model.modules() if type(m).__name__ in wanted]
+
+
+def checkpoint_activations(modules: Iterable[torch.nn.Module]) -> None:
+    """Recompute the activations of ``modules`` in backward instead of keeping them
+    (``torch.utils.checkpoint``, non-reentrant)."""
+    for module in modules:
         module.forward = functools.partial(torch.utils.checkpoint.checkpoint, module.forward, use_reentrant=False)
-    return len(wrapped)
 
 
 class Trainer:
@@ -168,8 +171,9 @@ class Trainer:
         self.loss_fn = loss_fn or model_loss
         self.eval_data = eval_data
         self.batches = BatchStream(train_data)
-        checkpoint_activations(model, config.activation_checkpointing)
+        recomputed = modules_to_checkpoint(model, config.activation_checkpointing)  # found before FSDP2 renames classes
         self.grads = self.world.gradients(model, optimizer, config)  # zero_grad, no_sync; DDP or FSDP2
+        checkpoint_activations(recomputed)  # after the wrap: a refused one leaves the model as it was
         self.net = self.grads.module  # what forward calls go through (DDP's wrapper under data parallelism)
         # FSDP2 (even one process of it): checkpoints are folders every rank writes its shards into.
         self.sharded = getattr(self.grads, "sharded", False) or config.parallel == "fsdp"
