@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import _chunk_table as ct
-from ._jit import as_f64, chunk_bounds, tail_mask, tensor_ptr, to_storage
+from ._jit import as_f64, chunk_bounds, loop_bound, tail_mask, tensor_ptr, to_storage
 
 
 @triton.constexpr_function
@@ -54,7 +54,7 @@ def _accumulate_kernel(
     t, start, body_end, tail, numel = chunk_bounds(chunk, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, CHUNK, VEC)
     d_ptr = tensor_ptr(dst_addr_ptr, t, DST_CODE, ALIGNED)
     s_ptr = tensor_ptr(src_addr_ptr, t, SRC_CODE, ALIGNED)
-    for k in range(start, body_end, BLOCK):
+    for k in range(loop_bound(start), loop_bound(body_end), BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < body_end
         d = tl.load(d_ptr + offs, mask=mask, other=0.0)

@@ -28,6 +28,26 @@ def math_type(code):
     return tl.float64 if code == 1 else tl.float32
 
 
+#: Whether the kernels run under the interpreter, for :func:`loop_bound` (compiled: False).
+_INTERPRETED = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def loop_bound(x):
+    """``x`` (a scalar tensor: a loaded bound, a kernel argument) as a bound of ``range``.
+
+    Compiled: ``x`` itself (the static branch is dropped; the compiled code is the same as with
+    ``x`` in the ``range``, checked with ``tests/kernel_compile.py``). Under the interpreter,
+    ``range`` takes its bounds through ``tensor.__index__``, which Triton 3.6 implements as
+    ``int()`` of the scalar's one-element array; NumPy deprecated that in 1.25 and refuses it in
+    2.4 ("only 0-dimensional arrays can be converted"); Triton 3.9 squeezes the array first.
+    So there the bound is taken out as a Python int (returned, not assigned: the interpreter
+    turns every assigned value back into a tensor)."""
+    if _INTERPRETED:
+        return x.handle.data.item()
+    return x
+
+
 @triton.jit
 def tensor_ptr(addr_ptr, t, CODE: tl.constexpr, ALIGNED: tl.constexpr):
     """Typed pointer to the data of tensor ``t`` of a table side."""
@@ -121,7 +141,7 @@ def _apply(v, a, b, OP: tl.constexpr):
 def rewrite_chunk(x_ptr, start, body_end, tail, numel, a, b, OP: tl.constexpr, MT: tl.constexpr, CHUNK, BLOCK, VEC):
     """Rewrites this chunk of a tensor in place (body then tail, see :func:`chunk_bounds`):
     ``x = op(x, a, b)`` computed in ``MT`` and rounded once to the storage dtype."""
-    for k in range(start, body_end, BLOCK):
+    for k in range(loop_bound(start), loop_bound(body_end), BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < body_end
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)

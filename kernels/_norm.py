@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import _chunk_table as ct
-from ._jit import as_f64, chunk_bounds, is_finite, math_type, tail_mask, tensor_ptr
+from ._jit import as_f64, chunk_bounds, is_finite, loop_bound, math_type, tail_mask, tensor_ptr
 from ._launch import INTERPRET
 
 # Norm kinds (compile-time constants), as the Rust core's NormKind.
@@ -124,7 +124,7 @@ def _reduce_range(ptr, first, count, KIND: tl.constexpr, FBLOCK: tl.constexpr):
     from an earlier call (the atomics that ordered the writes do not invalidate it).
     """
     acc = tl.full([FBLOCK], _identity(KIND), tl.float64)
-    for j in range(0, count, FBLOCK):
+    for j in range(0, loop_bound(count), FBLOCK):
         idx = j + tl.arange(0, FBLOCK)
         v = tl.load(ptr + first + idx, mask=idx < count, other=_identity(KIND), cache_modifier=".cg")
         acc = _combine(acc, v, KIND)
@@ -184,7 +184,7 @@ def _norm_kernel(
 
     acc = tl.full([BLOCK], _identity(KIND), MT)
     bad = tl.zeros([BLOCK], tl.int32)
-    for k in range(start, body_end, BLOCK):
+    for k in range(loop_bound(start), loop_bound(body_end), BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < body_end
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(MT)
@@ -225,7 +225,7 @@ def _norm_kernel(
         tl.debug_barrier()
         if PER_TENSOR:
             acc_t = tl.full([FBLOCK], _identity(KIND), tl.float64)
-            for j in range(0, n_tensors, FBLOCK):
+            for j in range(0, loop_bound(n_tensors), FBLOCK):
                 idx = j + tl.arange(0, FBLOCK)
                 m = idx < n_tensors
                 r = tl.load(raw_ptr + idx, mask=m, other=_identity(KIND), cache_modifier=".cg")

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import _chunk_table as ct
-from ._jit import as_f64, chunk_bounds, is_finite, math_type, tail_mask, tensor_ptr
+from ._jit import as_f64, chunk_bounds, is_finite, loop_bound, math_type, tail_mask, tensor_ptr
 from ._launch import INTERPRET, launcher
 from ._norm import INF, _combine, _finish, _identity, _reduce, _reduce_range, _term, norm_kind
 
@@ -61,7 +61,7 @@ def _stats_kernel(
     acc = tl.full([BLOCK], _identity(KIND), MT)
     big = tl.zeros([BLOCK], MT)
     bad = tl.zeros([BLOCK], tl.int32)
-    for k in range(start, body_end, BLOCK):
+    for k in range(loop_bound(start), loop_bound(body_end), BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < body_end
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(MT)
@@ -109,7 +109,7 @@ def _stats_finish_kernel(
     raw = _reduce_range(partial_ptr, first, count, KIND, FBLOCK)
     amax = _reduce_range(amax_ptr, first, count, AMAX_KIND, FBLOCK)
     bad = tl.zeros([FBLOCK], tl.int64)
-    for j in range(0, count, FBLOCK):
+    for j in range(0, loop_bound(count), FBLOCK):
         idx = j + tl.arange(0, FBLOCK)
         bad += tl.load(bad_ptr + first + idx, mask=idx < count, other=0, cache_modifier=".cg")
     tl.store(raw_ptr + t, raw)
@@ -125,7 +125,7 @@ def _stats_finish_kernel(
         # As the norm kernel with per-tensor results: tensor raws, in order, FBLOCK lanes.
         acc_t = tl.full([FBLOCK], _identity(KIND), tl.float64)
         # Names of their own: Triton refuses a name whose type changes (j above is int64).
-        for k in range(0, n_tensors, FBLOCK):
+        for k in range(0, loop_bound(n_tensors), FBLOCK):
             kdx = k + tl.arange(0, FBLOCK)
             r = tl.load(raw_ptr + kdx, mask=kdx < n_tensors, other=_identity(KIND), cache_modifier=".cg")
             if KIND == 0:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import _chunk_table as ct
-from ._jit import chunk_bounds, is_finite, math_type, tail_mask, tensor_ptr, to_storage
+from ._jit import chunk_bounds, is_finite, loop_bound, math_type, tail_mask, tensor_ptr, to_storage
 
 
 @triton.jit(do_not_specialize=["chunk_base"])
@@ -39,7 +39,7 @@ def _unscale_kernel(
     t, start, body_end, tail, numel = chunk_bounds(chunk, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, CHUNK, VEC)
     x_ptr = tensor_ptr(addr_ptr, t, CODE, ALIGNED)
     bad = tl.zeros([BLOCK], tl.int32)
-    for k in range(start, body_end, BLOCK):
+    for k in range(loop_bound(start), loop_bound(body_end), BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < body_end
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)

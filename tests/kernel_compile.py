@@ -84,6 +84,16 @@ MAX_REGISTERS_F64_POW = 224
 MAX_SPILL_BYTES = 0
 MAX_SPILL_BYTES_REGALLOC2 = 16
 REGALLOC_FLAG = "--regAllocOptLevel=2"
+#: Triton 3.6 (the H100 machine's, 2026-11; bundled ptxas 12.8, no --regAllocOptLevel=2) spills in
+#: four specializations of the full set that Triton 3.9 compiles without a spill, at 72-96
+#: registers (far below the limits): the norm kernel with per-tensor norms on sm_80 (fp32 and fp64
+#: order 2, fp16 order 3.5) stores 4 bytes and loads them twice, outside the element loop (one
+#: value kept across the per-tensor reduction, once per program); the stats kernel for fp64 and a
+#: general order on sm_90 stores 8 bytes (two constants of ``pow``) and loads them only on ``pow``'s
+#: path for an infinite input. Triton 3.6's code generation, not its ptxas: ptxas 12.9 spills the
+#: same on 3.6's PTX, and ptxas 12.8 spills nothing on 3.9's. Allowed there, up to 8 bytes stored
+#: and 32 loaded; any other Triton is held to the limits above.
+MAX_SPILL_BYTES_TRITON_3_6 = (8, 32)
 
 
 # --- the grid of calls ------------------------------------------------------------------------
@@ -434,6 +444,7 @@ class Result:
     v128_loads: int = 0
     v128_stores: int = 0
     varying: str = ""  # the part of spec that differs between this kernel's specializations
+    triton: str = ""  # the Triton version that compiled it
 
 
 _PTX_F64_TO_16 = re.compile(r"\bcvt(?:\.\w+)*\.b?f16(?:x2)?\.f64\b")
@@ -475,6 +486,7 @@ def compile_spec(spec: Spec) -> Result:
         spec=spec.describe(),
         calls=spec.calls[:3] + ([f"... {len(spec.calls) - 3} more"] if len(spec.calls) > 3 else []),
         constexprs={names[path[0]]: _plain(v) for path, v in spec.constexprs.items()},
+        triton=triton.__version__,
     )
     fn = getattr(importlib.import_module(spec.module), spec.kernel)
     log = io.StringIO()
@@ -597,9 +609,13 @@ def register_limit(r: Result) -> int:
     return MAX_REGISTERS_F64_POW if r.constexprs.get("CODE") == 1 else MAX_REGISTERS_POW
 
 
-def spill_limit(r: Result) -> int:
-    flag_only = r.regalloc2 and r.spill_stores_without_flag == 0
-    return MAX_SPILL_BYTES_REGALLOC2 if flag_only else MAX_SPILL_BYTES
+def spill_limit(r: Result) -> tuple[int, int]:
+    """(bytes stored, bytes loaded) that ``r`` may spill (see the limits above)."""
+    if r.regalloc2 and r.spill_stores_without_flag == 0:
+        return MAX_SPILL_BYTES_REGALLOC2, MAX_SPILL_BYTES_REGALLOC2
+    if re.match(r"3\.6\.", r.triton):
+        return MAX_SPILL_BYTES_TRITON_3_6
+    return MAX_SPILL_BYTES, MAX_SPILL_BYTES
 
 
 def rule_registers_and_spills(r: Result) -> list[str]:
@@ -610,8 +626,10 @@ def rule_registers_and_spills(r: Result) -> list[str]:
     out = []
     if r.registers > register_limit(r):
         out.append(f"{r.registers} registers (limit {register_limit(r)})")
-    if max(r.spill_stores, r.spill_loads) > spill_limit(r):
-        out.append(f"spills {r.spill_stores} bytes stored, {r.spill_loads} loaded (limit {spill_limit(r)})")
+    stores, loads = spill_limit(r)
+    if r.spill_stores > stores or r.spill_loads > loads:
+        limit = str(stores) if stores == loads else f"{stores} stored, {loads} loaded"
+        out.append(f"spills {r.spill_stores} bytes stored, {r.spill_loads} loaded (limit {limit})")
     return out
 
 

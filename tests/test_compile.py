@@ -165,6 +165,17 @@ def test_spills_are_allowed_only_when_triton_flag_is_the_cause():
     assert kc.rule_registers_and_spills(made_up(spill_stores=None))
 
 
+def test_triton_3_6_may_spill_up_to_8_bytes_and_load_them_four_times():
+    """Triton 3.6's own spills (kernel_compile.MAX_SPILL_BYTES_TRITON_3_6): allowed there only,
+    within 8 bytes stored and 32 loaded."""
+    assert not kc.rule_registers_and_spills(made_up(spill_stores=8, spill_loads=32, triton="3.6.0"))
+    assert not kc.rule_registers_and_spills(made_up(spill_stores=4, spill_loads=8, triton="3.6.0"))
+    assert kc.rule_registers_and_spills(made_up(spill_stores=12, spill_loads=12, triton="3.6.0"))
+    assert kc.rule_registers_and_spills(made_up(spill_stores=8, spill_loads=40, triton="3.6.0"))
+    for other in ("3.9.0", "3.7.0", "3.16.0", ""):
+        assert kc.rule_registers_and_spills(made_up(spill_stores=4, spill_loads=8, triton=other)), other
+
+
 def test_register_limits_depend_on_the_norm_order_and_dtype():
     assert kc.rule_registers_and_spills(made_up(registers=kc.MAX_REGISTERS + 1))
     pow32 = {"KIND": 5, "CODE": 0}

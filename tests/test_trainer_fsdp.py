@@ -34,6 +34,7 @@ SCENARIOS = [
     "agc_refuses_shards_that_split_its_units",
     "tied_weights_in_one_unit_match_ddp_and_one_process",
     "split_tied_weights_are_refused_before_anything_is_sharded",
+    "a_dataclass_output_trains_as_a_tensor_does_or_is_refused",
 ]
 
 

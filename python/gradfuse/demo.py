@@ -22,6 +22,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -114,8 +115,11 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-@dataclass
-class LMOutput:
+class LMOutput(NamedTuple):
+    """The model's output, ``.loss`` as the Trainer reads it. A NamedTuple, not a dataclass: FSDP2
+    puts its backward hooks on the output's tensors, and torch 2.11's finds them only in containers
+    that torch's pytree knows (a dataclass output there fails in backward, or is silently wrong)."""
+
     logits: torch.Tensor
     loss: torch.Tensor | None = None
 

@@ -10,6 +10,14 @@ as well. A parameter must lie in one unit: tied weights whose modules fall in di
 are refused (``check_ties``) before anything is sharded (torch refuses only at the first
 forward, with the model sharded and no way back).
 
+A module FSDP2 shards puts hooks on the tensors of its output that start its backward (gather the
+parameters again, then reduce-scatter the gradients). torch 2.11's FSDP2 finds them only in the
+containers torch's pytree knows (tuples, NamedTuples, lists, dicts): a dataclass output (such as a
+``ModelOutput`` of one's own making) hides them, and backward then fails on freed parameters or,
+without the reshard, leaves the gradients unreduced, a silently wrong step. There a sharded
+module's first output with tensors needing gradients inside a dataclass is refused with a clear
+error; later torch versions look inside dataclasses as well (``_finds_tensors_in_dataclasses``).
+
 Settings that follow the config: a ``MixedPrecisionPolicy`` from ``precision`` (bf16 and fp16
 compute with 16-bit gathered parameters and reduce the gradients in fp32; fp32: none),
 ``reshard_after_forward``, and ``CPUOffloadPolicy`` when ``cpu_offload`` (torch's offload
@@ -37,6 +45,7 @@ that the run is an FSDP2 one).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -259,6 +268,50 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], 
         group["params"][:] = [sharded[names[id(p)]] for p in group["params"]]
 
 
+def _finds_tensors_in_dataclasses() -> bool:
+    """Whether this torch's FSDP2 looks for the output tensors its backward hooks go on inside
+    dataclasses too (``collect_grad_tensors``, checked on torch 2.15); torch 2.11's
+    ``tree_flatten`` takes a dataclass for a leaf (module docs)."""
+    try:
+        from torch.distributed.fsdp._common_utils import collect_grad_tensors  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_first_output(module: torch.nn.Module) -> None:
+    """Refuse ``module``'s first output computed with gradients if it hides tensors that need
+    them from this torch's FSDP2 inside a dataclass (module docs); then stop checking."""
+    from torch.utils._pytree import tree_flatten
+
+    def check(module: torch.nn.Module, args, output) -> None:
+        if not torch.is_grad_enabled():
+            return
+        handle.remove()
+        hiding = [leaf for leaf in tree_flatten(output)[0] if _grad_tensors_inside(leaf)]
+        if hiding:
+            raise TypeError(
+                f"parallel='fsdp' on torch {torch.__version__}: {type(module).__name__}.forward returns a "
+                f"{type(hiding[0]).__name__}, a dataclass holding tensors that need gradients; this torch's FSDP2 "
+                "looks for them only in containers torch's pytree knows, so its backward would fail or leave the "
+                "gradients unreduced. Return a NamedTuple, a dict or a tuple, or register the class with "
+                "torch.utils._pytree.register_dataclass"
+            )
+
+    handle = module.register_forward_hook(check)
+
+
+def _grad_tensors_inside(obj) -> bool:
+    """Whether ``obj`` is a dataclass instance holding a tensor that needs gradients, where
+    torch's pytree does not look (in a field, or deeper in containers and dataclasses)."""
+    from torch.utils._pytree import tree_flatten
+
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        return False
+    leaves = tree_flatten([getattr(obj, field.name) for field in dataclasses.fields(obj)])[0]
+    return any((torch.is_tensor(leaf) and leaf.requires_grad) or _grad_tensors_inside(leaf) for leaf in leaves)
+
+
 @torch.no_grad()
 def broadcast_from_first(model: torch.nn.Module, group) -> None:
     """Rank 0's parameters and buffers on every rank of ``group`` (in place)."""
@@ -307,6 +360,9 @@ class FSDPGradients:
         self.module = fully_shard(model, **settings)  # the same module object, now an FSDPModule
         _repoint_optimizer(optimizer, names, model)
         self.optimizer = optimizer
+        if not _finds_tensors_in_dataclasses():
+            for module in [*(m for unit in units for m in _members(unit)), model]:
+                _check_first_output(module)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -95,7 +95,7 @@ def _save(directory, step, model, optimizer, shared, own, keep_last, group, name
     stepped = bool(optimizer.state)
     model_state, optimizer_state = state_to_save(model, optimizer)
     with _single_process_quiet(group), _dcp_errors(f"could not write the checkpoint {final}"):
-        metadata = dcp.save(
+        dcp.save(
             {"model": model_state, "optimizer": optimizer_state},
             checkpoint_id=temp,
             process_group=group,
@@ -103,8 +103,10 @@ def _save(directory, step, model, optimizer, shared, own, keep_last, group, name
         )
 
     def write_parts():
-        # The CRC-32 of every shard file is recorded, each rank reading an even share of them.
-        shards = sorted({info.relative_path for info in metadata.storage_data.values()})
+        # The CRC-32 of every shard file is recorded, each rank reading an even share of them. The
+        # shard files are those the written metadata names: what dcp.save returns lacks them on
+        # torch 2.11 (its FileSystemWriter.finish fills a copy of the metadata), so it is read back.
+        shards = sorted({info.relative_path for info in _read_metadata(temp).storage_data.values()})
         files = {file: checkpoint.file_crc32(temp / file) for file in shards[rank::world]}
         own_part = {"rank": rank, "world_size": world, "files": files, **(own or {})}
         checkpoint.write_file(checkpoint.rank_file(temp, rank), own_part)
@@ -299,10 +301,8 @@ def optimizer_template(
     an entry for every trainable parameter (torch makes them up: ``optimizer`` must have no
     state and no gradients, see ``_SetAside``). Raises ``CheckpointError`` where the checkpoint
     holds state this optimizer has no place for: it would be dropped without a word."""
-    import torch.distributed.checkpoint as dcp
-
     _, get_state_dict, _ = _dcp()
-    keys = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    keys = _read_metadata(folder).state_dict_metadata
     model_state, optimizer_state = get_state_dict(model, optimizer)
     trainable = set(optimizer_state["state"])
     known = {fqn for group in optimizer_state["param_groups"] for fqn in group["params"]}
@@ -424,6 +424,12 @@ def _dcp():
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     return dcp, get_state_dict, set_state_dict
+
+
+def _read_metadata(folder: Path):
+    """DCP's metadata of the checkpoint in ``folder``, as its ``.metadata`` file holds it."""
+    dcp, _, _ = _dcp()
+    return dcp.FileSystemReader(folder).read_metadata()
 
 
 def _rank_and_world(group) -> tuple[int, int]:
