@@ -87,22 +87,10 @@ def one_process(world: int, loss_fn=mse, make_model=model, norm_type: float = 2.
     magnitude before the clip, in float64, are appended to it as ``{"grad_norm/<m>": ...}``."""
     combined = combined_batches(STEPS * ACCUM, PER_RANK * world)
     ref = make_model()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    losses, norms = [], []
-    for step in range(STEPS):
-        for group in opt.param_groups:
-            group["lr"] = 1e-2 * lr_factor(step, max_steps=STEPS, warmup_steps=1, schedule="cosine", min_lr_ratio=0.0)
-        opt.zero_grad()
-        loss = 0.0
-        for micro in range(ACCUM):
-            micro_loss = loss_fn(ref, combined[step * ACCUM + micro]) / ACCUM
-            micro_loss.backward()
-            loss += micro_loss.item()
-        if modules is not None:
-            modules.append(per_module_reference(ref, norm_type))
-        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type).item())
-        opt.step()
-        losses.append(loss)
+    observe = None if modules is None else lambda net: modules.append(per_module_reference(net, norm_type))
+    losses, norms = train_dist_scenarios.reference_run(
+        ref, combined, ACCUM, STEPS, loss_fn=loss_fn, fused=True, norm_type=norm_type, before_clip=observe
+    )
     return losses, norms, [p.detach() for p in ref.parameters()]
 
 
@@ -119,6 +107,19 @@ def per_module_reference(net: nn.Module, norm_type: float) -> dict[str, float]:
     return out
 
 
+def assert_matches_fp32(rows, weights, ddp_rows, ddp_weights, losses, norms, ref_weights) -> None:
+    """An fp32 FSDP2 run's losses, norms and weights against DDP's and one process's, within fp32
+    rounding (reduce-scatter and all-reduce add in different orders)."""
+    for other_losses, other_norms, other_weights in (
+        ([r["loss"] for r in ddp_rows], [r["grad_norm"] for r in ddp_rows], ddp_weights),
+        (losses, norms, ref_weights),
+    ):
+        torch.testing.assert_close([r["loss"] for r in rows], other_losses, rtol=1e-5, atol=0)
+        torch.testing.assert_close([r["grad_norm"] for r in rows], other_norms, rtol=1e-5, atol=0)
+        for a, b in zip(weights, other_weights, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def fsdp_matches_ddp_and_one_process_fp32(rank, world):
     trainer, rows, weights = train("fsdp", "fp32", rank, world)
     assert trainer.grads.sharded
@@ -128,14 +129,7 @@ def fsdp_matches_ddp_and_one_process_fp32(rank, world):
     _, ddp_rows, ddp_weights = train("ddp", "fp32", rank, world)
     losses, norms, ref_weights = one_process(world)
     assert all(r["clip_coef"] < 1 for r in rows)  # the clip was active: the folded clip was exercised
-    for other_losses, other_norms, other_weights in (
-        ([r["loss"] for r in ddp_rows], [r["grad_norm"] for r in ddp_rows], ddp_weights),
-        (losses, norms, ref_weights),
-    ):
-        torch.testing.assert_close([r["loss"] for r in rows], other_losses, rtol=1e-5, atol=0)
-        torch.testing.assert_close([r["grad_norm"] for r in rows], other_norms, rtol=1e-5, atol=0)
-        for a, b in zip(weights, other_weights, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_matches_fp32(rows, weights, ddp_rows, ddp_weights, losses, norms, ref_weights)
 
 
 def fsdp_matches_ddp_and_one_process_bf16(rank, world):
@@ -532,14 +526,7 @@ def tied_weights_in_one_unit_match_ddp_and_one_process(rank, world):
     _, ddp_rows, ddp_weights = train("ddp", "fp32", rank, world, make_model=tied_model)
     losses, norms, ref_weights = one_process(world, make_model=tied_model)
     assert all(r["clip_coef"] < 1 for r in rows)
-    for other_losses, other_norms, other_weights in (
-        ([r["loss"] for r in ddp_rows], [r["grad_norm"] for r in ddp_rows], ddp_weights),
-        (losses, norms, ref_weights),
-    ):
-        torch.testing.assert_close([r["loss"] for r in rows], other_losses, rtol=1e-5, atol=0)
-        torch.testing.assert_close([r["grad_norm"] for r in rows], other_norms, rtol=1e-5, atol=0)
-        for a, b in zip(weights, other_weights, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_matches_fp32(rows, weights, ddp_rows, ddp_weights, losses, norms, ref_weights)
 
 
 def split_tied_weights_are_refused_before_anything_is_sharded(rank, world):

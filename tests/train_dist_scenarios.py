@@ -45,6 +45,41 @@ def mse(model, batch):
     return F.mse_loss(model(x), y)
 
 
+def reference_run(
+    ref: nn.Module,
+    combined: list,
+    accum: int,
+    steps: int,
+    *,
+    loss_fn=None,
+    fused: bool = False,
+    norm_type: float = 2.0,
+    before_clip=None,
+) -> tuple[list[float], list[float]]:
+    """The reference the Trainer is compared with: ``ref`` trained by hand in one process on the
+    combined batches, with the Trainer's cosine schedule (lr 1e-2, one warm-up step), torch's own
+    ``clip_grad_norm_`` to 0.05 and AdamW; ``before_clip(ref)`` sees each step's gradients before
+    the clip. Returns the losses and the norms of every step."""
+    loss_fn = loss_fn or mse
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=fused)
+    losses, norms = [], []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = 1e-2 * lr_factor(step, max_steps=steps, warmup_steps=1, schedule="cosine", min_lr_ratio=0.0)
+        opt.zero_grad()
+        loss = 0.0
+        for micro in range(accum):
+            micro_loss = loss_fn(ref, combined[step * accum + micro]) / accum
+            micro_loss.backward()
+            loss += micro_loss.item()
+        if before_clip is not None:
+            before_clip(ref)
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type).item())
+        opt.step()
+        losses.append(loss)
+    return losses, norms
+
+
 def settings(**overrides) -> TrainConfig:
     base = dict(
         max_steps=STEPS, grad_accum_steps=ACCUM, max_grad_norm=0.05, lr=1e-2, lr_schedule="cosine", warmup_steps=1,
@@ -68,20 +103,7 @@ def two_ranks_match_one_process_on_the_combined_batch(rank, world):
     assert rows[-1]["grad_norm"] == trainer.grads.hook.total_norm().item()
 
     ref = model()  # one process, the combined batches, torch's own clipping
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    losses, norms = [], []
-    for step in range(STEPS):
-        for group in ref_opt.param_groups:
-            group["lr"] = 1e-2 * lr_factor(step, max_steps=STEPS, warmup_steps=1, schedule="cosine", min_lr_ratio=0.0)
-        ref_opt.zero_grad()
-        loss = 0.0
-        for micro in range(ACCUM):
-            micro_loss = mse(ref, combined[step * ACCUM + micro]) / ACCUM
-            micro_loss.backward()
-            loss += micro_loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
-        ref_opt.step()
-        losses.append(loss)
+    losses, norms = reference_run(ref, combined, ACCUM, STEPS, fused=True)
     torch.testing.assert_close([r["loss"] for r in rows], losses, rtol=1e-5, atol=0)
     torch.testing.assert_close([r["grad_norm"] for r in rows], norms, rtol=1e-5, atol=0)
     assert all(r["clip_coef"] < 1 for r in rows)
@@ -315,20 +337,7 @@ def one_process_with_unused(combined: list, accum: int) -> tuple[nn.Module, list
     """``WithUnused`` trained by hand in one process on the combined batches (torch's clip; the
     unused parameters have no gradient): (model, losses, norms)."""
     ref = WithUnused()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    losses, norms = [], []
-    for step in range(STEPS):
-        for group in opt.param_groups:
-            group["lr"] = 1e-2 * lr_factor(step, max_steps=STEPS, warmup_steps=1, schedule="cosine", min_lr_ratio=0.0)
-        opt.zero_grad()
-        loss = 0.0
-        for micro in range(accum):
-            micro_loss = mse(ref, combined[step * accum + micro]) / accum
-            micro_loss.backward()
-            loss += micro_loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
-        opt.step()
-        losses.append(loss)
+    losses, norms = reference_run(ref, combined, accum, STEPS)
     assert ref.unused.weight.grad is None
     return ref, losses, norms
 
