@@ -501,3 +501,34 @@ def test_unscale_and_clip_fp16_underflow_takes_the_exact_path():
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     want = (x.float() * (inv * coef)).half()
     assert same_bits(outs[0], want) and same_bits(outs[1], want)
+
+
+# --- the eager entries, and what they must not skip -------------------------------------------
+
+
+def test_an_op_under_torch_jit_trace_is_recorded_not_baked_in():
+    """Under ``torch.jit.trace`` the tracer records ops at the dispatcher: an eager entry that ran
+    the implementation straight away would leave the traced graph without the op (its output a
+    constant, here even an uninitialised ``empty``), silently wrong at every replay."""
+    import warnings
+
+    def f(x, y):
+        total = gradfuse.multi_tensor_norm([x, y])
+        norm, found = gradfuse.unscale_check_norm([x, y], torch.full((1,), 0.5))
+        return total * 2, norm, found
+
+    with warnings.catch_warnings():
+        # Deprecated in favour of torch.compile/export, which are tested elsewhere; still torch's API.
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(f, (torch.ones(4), torch.ones(3)), check_trace=False)
+    assert "gradfuse::multi_tensor_norm" in str(traced.graph)
+    for bad in (False, True):
+        x, y = randn((4,), torch.float32), randn((3,), torch.float32) * 3
+        if bad:
+            x[1] = math.nan
+        total, norm, found = traced(x, y)
+        want, _ = ref_norms([x, y], 2.0)
+        assert found.item() == float(bad)
+        if not bad:
+            assert close(total.item(), 2 * want, 2e-6) and close(norm.item(), 0.5 * want, 2e-6)

@@ -73,8 +73,9 @@ _DISPATCH_KEYS = ("CPU", "CUDA", "SparseCPU", "SparseCUDA", "SparseCsrCPU", "Spa
 def direct() -> bool:
     """Whether an eager call may run an op's implementation straight away, without the
     dispatcher's round trip (~8-12 us): nothing is tracing or compiling, no torch function or
-    dispatch mode and no functorch transform is active (each would see or change the op), and the
-    profiler is off (it records ops at the dispatcher). The call then does exactly what the
+    dispatch mode and no functorch transform is active (each would see or change the op), and
+    neither the profiler nor ``torch.jit.trace`` is on (both record ops at the dispatcher: a traced
+    graph would hold the op's output as a constant). The call then does exactly what the
     dispatcher would have it do for plain CPU and CUDA tensors: the same implementation (tensors
     the plans cannot describe, on other devices say, still go through the dispatcher)."""
     if torch.compiler.is_compiling():  # first: dynamo folds it, and traces no further
@@ -84,6 +85,7 @@ def direct() -> bool:
         or torch._C._len_torch_dispatch_stack()
         or torch._C._are_functorch_transforms_active()
         or torch.autograd._profiler_enabled()
+        or torch._C._get_tracing_state() is not None
     )
 
 
