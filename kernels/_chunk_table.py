@@ -173,18 +173,22 @@ class ChunkTable:
 
     def moved(self, addrs: list) -> ChunkTable | None:
         """This table for the same tensors at ``addrs`` (per side, a list or an int64 tensor):
-        new address buffers, the rest and the scratch buffers shared; None when a tensor's
-        16-byte alignment changed (the groups would), or the new addresses came during a CUDA
-        graph capture (they could not be uploaded outside it)."""
+        new address buffers, the rest shared; None when a tensor's 16-byte alignment changed (the
+        groups would), or the new addresses came during a CUDA graph capture (they could not be
+        uploaded outside it). The scratch buffers are not shared: this table describes other
+        tensors, whose kernels may run while this one's do, on another stream (each DDP bucket's
+        measuring pass runs on a stream of its own, and buckets of equal size are common), and
+        counters shared between the two would let a kernel finalize before its partials are
+        written."""
         addrs = [torch.as_tensor(side, dtype=torch.int64) for side in addrs]
         codes = [(self.kinds >> (8 * s)) & 0xFF for s in range(len(addrs))]
         if not torch.equal(_kinds(addrs, [c >> 1 for c in codes]), self.kinds):
             return None
         other = ChunkTable.__new__(ChunkTable)
         for slot in ChunkTable.__slots__:
-            if slot not in ("addrs", "addr_args", "_host"):
+            if slot not in ("addrs", "addr_args", "_host", "_scratch", "_scratch_args"):
                 setattr(other, slot, getattr(self, slot))
-        other._host = []
+        other._host, other._scratch, other._scratch_args = [], None, None
         other.addrs = [other._upload(side) for side in addrs]
         other.addr_args = [Ptr(a) for a in other.addrs]
         return other

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import os
 import random
 import weakref
 from itertools import pairwise
@@ -374,3 +375,26 @@ def test_a_plan_moved_at_every_step_keeps_no_chain_of_tables(backend):
     for plan in plans[1:]:
         inherited = plan.memo.get("moved_from", {})
         assert "moved_from" not in inherited
+
+
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+def test_lists_of_one_kind_keep_scratch_buffers_of_their_own(backend):
+    """Two lists of the same shapes at other addresses: the second's plan, and its chunk table,
+    are the first's moved. The norm kernels' scratch (partials, counters) must still be each
+    list's own: kernels over the two may run at once on two streams (DDP runs each bucket's
+    measuring pass on a stream of its own, and buckets of equal size are common; a graph replay
+    beside eager calls), and shared counters would let one kernel finalize with the other's
+    programs counted, before its own partials are written. Emulated here: the first list's
+    kernel in flight (one of its programs counted) while the second's norm runs."""
+    a = [torch.randn(200), torch.randn(3, 50)]
+    b = [torch.randn(200) * 3, torch.randn(3, 50)]
+    gradfuse.multi_tensor_norm(a)
+    counters = _plan.make_plan("t", "tensors", a, inplace=False).memo["table"].scratch()[2]
+    counters[0] = 1
+    try:
+        got = gradfuse.multi_tensor_norm(b)
+    finally:
+        counters[0] = 0
+    want, _ = ref_norms(b, 2.0)
+    assert close(got.item(), want, 2e-6)
