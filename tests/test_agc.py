@@ -158,6 +158,23 @@ def test_bad_units_and_factors_name_the_argument():
         AGC(0.02).load_state_dict(AGC(0.01).state_dict())
 
 
+@pytest.mark.parametrize("rows", [5, 0])
+def test_a_gradient_its_weight_no_longer_splits_into_units_is_refused(backend, rows):
+    """The units come from the weights' shapes; a weight re-pointed (``.data =``) to another
+    shape keeps its old gradient, which its new rows may not divide: refused, naming the op and
+    the gradient, with nothing modified (the Triton kernels would split it into units that leave
+    its last elements out, unclipped)."""
+    ok = torch.nn.Parameter(torch.randn(2, 3))
+    ok.grad = torch.randn(2, 3) * 100
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    p.grad = torch.randn(3, 4) * 100
+    p.data = torch.randn(rows, 4)
+    before = [ok.grad.clone(), p.grad.clone()]
+    with pytest.raises(ValueError, match=r"adaptive_clip_grad_: tensors\[1\] has 12 elements, which cannot be split"):
+        adaptive_clip_grad_([ok, p], clip_factor=0.01)
+    assert torch.equal(ok.grad, before[0]) and torch.equal(p.grad, before[1])
+
+
 def test_opcheck_unit_ops():
     tensors = [torch.randn(3, 4), torch.randn(0), torch.randn(5).bfloat16()]
     torch.library.opcheck(torch.ops.gradfuse.unit_norms.default, (tensors, [3, 0, 1], 2.0))

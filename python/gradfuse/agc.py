@@ -104,6 +104,10 @@ def _agc(parameters, clip_factor, eps, norm_type, inv_scale: Tensor | None):
             # The parameters themselves are the weights: the kernels read their memory (a
             # detached view per parameter would cost a tensor each).
             units = _units_of(weights)
+            if list(map(_shape, grads)) != list(map(_shape, weights)):
+                # A weight re-pointed (.data =) to another shape since its gradient: the units
+                # of its shape may not split the gradient. Before any pass (C-level maps when not).
+                _check_units("gradfuse.adaptive_clip_grad_", grads, units)
             norms = ops.unit_norms_op(weights + grads, units + units, norm_type)
             w_norm, g_norm = norms.split(sum(units))
             if inv_scale is not None:
