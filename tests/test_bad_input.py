@@ -113,6 +113,23 @@ def test_accumulate_source_overlapping_another_target_is_refused():
     assert same_bits(storage, before)
 
 
+def test_accumulate_overlap_names_its_own_arguments_over_lists_other_ops_planned(backend):
+    """The lists were planned (and their plans kept) by other ops first, under their argument
+    names (``grads``, ``tensors``); accumulate_'s error still names its own: dst and src."""
+    storage = torch.randn(8)
+    dst = [storage[0:4], storage[4:8]]
+    src = [storage[4:8], storage[0:4]]
+    torch.ops.gradfuse.clip_grad_norm_(dst, 1e6, 2.0, False)
+    gradfuse.multi_tensor_norm(src)
+    before = storage.clone()
+    with pytest.raises(ValueError, match=r"accumulate_: dst\[0\] and src\[1\] overlap in memory"):
+        gradfuse.accumulate_(dst, src)
+    one_call = [storage[4:8].view(2, 2).t(), storage[0:4].view(2, 2)]  # src planned for this call alone
+    with pytest.raises(ValueError, match=r"accumulate_: dst\[0\] and src\[1\] overlap in memory"):
+        gradfuse.accumulate_([d.view(2, 2) for d in dst], one_call)
+    assert same_bits(storage, before)
+
+
 def test_accumulate_length_and_shape_mismatches_name_the_index():
     dst = [torch.zeros(3), torch.zeros(4)]
     with pytest.raises(ValueError, match="dst has 2 tensors but src has 1"):

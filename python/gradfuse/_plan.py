@@ -538,19 +538,24 @@ def check_disjoint(
     )
 
 
-def check_reads(op: str, dst: Plan, dst_tensors: list[Tensor], src: Plan, src_tensors: list[Tensor]) -> None:
+def check_reads(
+    op: str, dst_name: str, dst: Plan, dst_tensors: list[Tensor], src_name: str, src: Plan, src_tensors: list[Tensor]
+) -> None:
     """OverlapError when a source overlaps a target other than its own (``dst[i] += src[i]``
     reads each element before writing it): on the Rust core's descriptions of kept plans (once
-    per pair of plans), on the tensors themselves when a plan works on copies."""
-    if not (dst.cached and src.cached):
-        check_disjoint(op, dst.name, dst_tensors, src.name, src_tensors)
-        return
-    if dst.memo.get("reads") is not src:
+    per pair of plans), on the tensors themselves when a plan works on copies. Named after this
+    call's arguments: a kept plan may be another op's, named after that op's."""
+    if dst.cached and src.cached:
+        if dst.memo.get("reads") is src:
+            return
         try:
             dst.tensor_list.check_reads(src.tensor_list)
-        except OverlapError as e:
-            raise OverlapError(f"{op}: {e}") from None
-        dst.memo["reads"] = src
+        except OverlapError:
+            pass  # found again below, on the tensors, to be named
+        else:
+            dst.memo["reads"] = src
+            return
+    check_disjoint(op, dst_name, dst_tensors, src_name, src_tensors)
 
 
 def check_aligned(op: str, name: str, tensors: list[Tensor]) -> None:

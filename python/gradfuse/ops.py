@@ -431,7 +431,7 @@ def _acc_run(dst: list[Tensor], src: list[Tensor], alpha: float) -> None:
     _check_pairs(dst, src)
     d = P.make_plan(_ACC, "dst", dst, inplace=True, dense_ok=False)
     s = P.make_plan(_ACC, "src", src, inplace=False, device=d.device, dense_ok=False)
-    P.check_reads(_ACC, d, dst, s, src)
+    P.check_reads(_ACC, "dst", d, dst, "src", s, src)
     _backend(d.device).accumulate_(d, s, float(alpha))
     d.finish_inplace(dst)
 
