@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import ClassVar
 
 import pytest
 import torch
@@ -532,3 +533,58 @@ def test_an_op_under_torch_jit_trace_is_recorded_not_baked_in():
         assert found.item() == float(bad)
         if not bad:
             assert close(total.item(), 2 * want, 2e-6) and close(norm.item(), 0.5 * want, 2e-6)
+
+
+class _Logged(torch.Tensor):
+    """A subclass with a __torch_function__ of its own: it sees every torch function and op
+    called on it (and could answer them otherwise)."""
+
+    seen: ClassVar[list] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _Dispatched(torch.Tensor):
+    """A subclass holding its data (``_make_subclass``) with a __torch_dispatch__ of its own."""
+
+    seen: ClassVar[list] = []
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, data):
+        self = torch.Tensor._make_subclass(cls, data)
+        self.plain = data  # the same memory, as a plain tensor
+        return self
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+
+        def plain(a):
+            if isinstance(a, list):
+                return [plain(x) for x in a]
+            return a.plain if isinstance(a, cls) else a
+
+        return func(*plain(list(args)), **(kwargs or {}))
+
+
+@pytest.mark.parametrize("subclass", [_Logged, _Dispatched])
+def test_a_tensor_subclass_that_overrides_torch_sees_the_op(subclass):
+    """A subclass that overrides torch's functions or dispatch decides what an op does on it:
+    the eager entry leaves such calls to the dispatcher, which hands them over (the ops' own
+    kernels then run on what the subclass passes on), instead of running on its memory unseen."""
+    data = randn((5,), torch.float32)
+    x = subclass(data) if subclass is _Dispatched else data.as_subclass(subclass)
+    subclass.seen.clear()
+    total = gradfuse.multi_tensor_norm([x, torch.ones(3)])
+    assert any(str(f).startswith("gradfuse.multi_tensor_norm") for f in subclass.seen)
+    want, _ = ref_norms([data, torch.ones(3)], 2.0)
+    assert close(total.item(), want, 2e-6)
+    want_scaled = data * 0.5
+    subclass.seen.clear()
+    gradfuse.multi_tensor_scale_([x], torch.tensor(0.5))
+    assert any(str(f).startswith("gradfuse.multi_tensor_scale_") for f in subclass.seen)
+    assert same_bits(data, want_scaled)

@@ -434,6 +434,11 @@ def clear_plans() -> None:
 def _build(op: str, name: str, tensors: list[Tensor], inplace: bool, device, dense_ok: bool) -> Plan:
     """Validates ``tensors`` and describes their memory (see :func:`make_plan`)."""
     tensors = list(tensors)
+    if not set(map(type, tensors)) <= _PLAIN and _overrides_torch(tensors):
+        raise NotPlannable(
+            f"{op}: {name} hold a tensor subclass with a __torch_function__ or __torch_dispatch__ of its own, "
+            "which decides what the op does on it"
+        )
     codes = check_dtypes(op, name, tensors)
     if not tensors:
         plan = Plan(name, device, [], [], b"", [], inplace, None)
@@ -468,6 +473,26 @@ def _build(op: str, name: str, tensors: list[Tensor], inplace: bool, device, den
     if not contiguous:
         plan.tensors, plan.writeback, plan.copied = tensors, writeback, tensors is not originals
     return plan
+
+
+_PYTHON_KEY = torch._C.DispatchKey.Python
+
+
+def _overrides_torch(tensors: list[Tensor]) -> bool:
+    """Whether a tensor subclass among ``tensors`` would be handed this call: one with a
+    ``__torch_function__`` of its own while torch functions are enabled, or with a
+    ``__torch_dispatch__`` (the Python dispatch key) while that key is not excluded. Never so
+    inside the subclass's own handler, which runs with them disabled or excluded: there (the
+    dispatcher's kernel) its tensors are planned as any. Only the eager entry, which skips the
+    dispatcher, finds it so, and hands the call to the dispatcher (NotPlannable)."""
+    odd = [t for t in tensors if type(t) not in _PLAIN]
+    if torch._C._is_torch_function_enabled() and any(
+        type(t).__torch_function__ is not torch._C._disabled_torch_function_impl for t in odd
+    ):
+        return True
+    if torch._C._dispatch_tls_is_dispatch_key_excluded(_PYTHON_KEY):
+        return False
+    return any(torch._C._dispatch_keys(t).has(_PYTHON_KEY) for t in odd)
 
 
 def _densify(op: str, name: str, tensors: list[Tensor], inplace: bool, dense_ok: bool):
