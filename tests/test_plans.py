@@ -274,6 +274,21 @@ def test_a_kept_plan_holds_no_tensor():
     assert all(r() is None for r in refs)
 
 
+def test_a_kept_plan_holds_no_tensor_of_a_source_planned_for_one_call(backend):
+    """accumulate_ over a kept ``dst`` plan with a ``src`` that is planned for the call alone (a
+    transposed source is copied, and the plan of the copy holds the list it works on): nothing the
+    kept plan derives keeps the caller's tensors, or the copies, alive."""
+    dst = [torch.zeros(50), torch.zeros(3, 4)]
+    a, b = torch.randn(50), torch.randn(4, 3)
+    refs = [weakref.ref(a), weakref.ref(b)]
+    for _ in range(2):
+        gradfuse.accumulate_(dst, [a, b.t()])
+    assert same_bits(dst[0], 2 * a) and same_bits(dst[1], 2 * b.t())
+    del a, b
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 def test_the_same_bytes_as_another_dtype_at_the_same_address_are_planned_anew(backend):
     """Memory a kept plan described, now a tensor of another dtype and length (the same bytes):
     the new tensor's norm, not the old reading of its bytes."""

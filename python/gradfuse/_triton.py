@@ -77,7 +77,12 @@ def _table(plan: Plan) -> ChunkTable:
 
 def _pair_table(dst: Plan, src: Plan) -> ChunkTable:
     """The two-sided table of ``dst[i] += src[i]``, kept with ``dst`` for the last ``src`` plan
-    it was used with."""
+    it was used with; made for the call alone when ``src`` is (its plan holds the tensors it
+    works on, which a kept ``dst`` plan must not keep alive)."""
+    if not src.cached:
+        if _capturing(dst):
+            raise _capture_error()
+        return ChunkTable(dst.device, [dst.addrs, src.addrs], dst.numels, [dst.codes, src.codes])
     pair = dst.memo.get("pair")
     if pair is not None and pair[0] is not src:
         del dst.memo["pair"], dst.memo["pair table"]
