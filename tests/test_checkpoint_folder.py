@@ -232,6 +232,53 @@ def test_a_trainer_in_another_process_is_refused_until_that_process_dies(tmp_pat
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000001.pt"]
 
 
+FORKS = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, sys.argv[2])
+    from test_trainer import TinyLM, adamw, config, loader
+    from gradfuse.train import Trainer
+
+    model = TinyLM()
+    trainer = Trainer(model, adamw(model), loader(), config(checkpoint_dir=sys.argv[1]))
+    child = os.fork()
+    if child == 0:  # a forked child that ends as Python programs do (atexit runs), or lets go of the Trainer
+        print(trainer.lock.held, flush=True)
+        trainer.close()
+        sys.exit(0)
+    os.waitpid(child, 0)
+    print(trainer.lock.held, flush=True)
+    sys.stdin.readline()  # holds the folder until told
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_ending_leaves_the_parents_lock_alone(tmp_path):
+    """A process holding the folder forks (a launcher, a data worker, the user's own code); the
+    child inherits the Trainer and its lock's descriptor. The child is not the holder (it cannot
+    write under the parent's lock), and when it lets go of the Trainer or ends, the parent still
+    holds the folder: another process is refused. (Before: the child's exit deleted the parent's
+    lock file, and a second writer took the folder while the first still trained.)"""
+    command = [sys.executable, "-c", FORKS, str(tmp_path), os.path.dirname(__file__)]
+    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with subprocess.Popen(command, **pipes) as proc:
+        try:
+            lines = []
+            for _ in range(2):
+                ready, _, _ = select.select([proc.stdout], [], [], 90)  # a hang is a failure, not a wait
+                lines.append(proc.stdout.readline() if ready else "")
+            assert lines == ["False\n", "True\n"], (lines, proc.stderr.read() if proc.poll() is not None else "")
+            assert (tmp_path / LOCK_FILE).exists()
+            with pytest.raises(CheckpointFolderInUse, match=f"pid {proc.pid} on"):
+                trainer(tmp_path)
+        finally:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, proc.stderr.read()
+    trainer(tmp_path, max_steps=1).fit()  # the parent has ended: the folder is free
+
+
 # --- a write that fails inside torch's writer ---------------------------------------------------
 
 FILE_SIZE_LIMIT = textwrap.dedent(
