@@ -196,6 +196,21 @@ def test_a_sharded_writer_is_refused_while_a_trainer_holds_the_folder(tmp_path):
     assert scenarios.fsdp_trainer(tmp_path, 0, 1, resume="latest").step == 4
 
 
+def test_fit_that_fails_before_its_first_step_lets_go_of_the_folder(tmp_path):
+    """fit() raising while it sets up (here: the metrics file cannot be made, its folder is a
+    file) lets go of the checkpoint folder as a fit() that fails in a step does: a Trainer
+    made next (with the path fixed) takes the folder. (Before: the failed Trainer kept the lock
+    while it lived, and the next one was refused as a second writer in this process.)"""
+    (tmp_path / "not-a-folder").write_text("")
+    failing = trainer(tmp_path / "run", metrics_path=tmp_path / "not-a-folder" / "metrics.jsonl")
+    with pytest.raises(OSError):
+        failing.fit()
+    assert not failing.lock.held and not (tmp_path / "run" / LOCK_FILE).exists()
+    fixed = trainer(tmp_path / "run", metrics_path=tmp_path / "metrics.jsonl", max_steps=1)
+    fixed.fit()
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000001.pt"]
+
+
 HOLDER = textwrap.dedent(
     """
     import sys, time

@@ -440,13 +440,13 @@ class Trainer:
             cfg.metrics_path, cfg.progress, cfg.max_steps, self.step, self.world.is_main, cfg.tensorboard_dir,
             cfg.log_every,
         )  # fmt: skip
-        with metrics, StopSignals() as self._stop:
-            try:
+        try:
+            with metrics, StopSignals() as self._stop:
                 while self.step < cfg.max_steps:
                     self._fit_step(metrics, throughput)
-            finally:
-                self._stop = None
-                self.close()  # the checkpoint folder is free for the next writer
+        finally:
+            self._stop = None
+            self.close()  # the checkpoint folder is free for the next writer, however fit() ends
         return metrics.rows
 
     def _fit_step(self, metrics: Metrics, throughput: Throughput) -> None:
