@@ -39,7 +39,10 @@ PARAM_SHAPED = tuple(
     for name in ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adadelta", "ASGD")
     if hasattr(torch.optim, name)
 )
-_NOT_SETTINGS = {"params", "lr", "initial_lr"}  # a group's keys that say nothing about its class
+# A group's keys that say nothing about its class: its parameters and learning rate, and what torch's
+# schedulers write into it (LRScheduler: initial_lr; OneCycleLR: max_lr, min_lr, max_momentum,
+# base_momentum; SWALR: swa_lr), which a resume with a schedule of another kind does not have.
+_NOT_SETTINGS = {"params", "lr", "initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"}
 _SHOWN = 6  # differences named per kind; the rest counted
 
 
