@@ -195,6 +195,22 @@ def test_an_old_checkpoint_of_a_torch_scheduler_resumes_with_a_step_function(tmp
     refused(path, model, momentum_sgd(model), "saved with settings .*amsgrad.*which SGD does not have")
 
 
+def test_a_step_function_that_fails_at_the_resumed_step_is_named_and_nothing_changes(tmp_path):
+    """A step -> lr function that has no learning rate for the step a run resumes at (a table
+    shorter than the run now, a NaN past its end) is refused before anything is loaded, naming
+    the step (before: its error came from the schedule's load, after the model's weights and the
+    optimizer's state had been overwritten from the checkpoint)."""
+    path = saved_run(tmp_path, adamw)
+    table = [1e-3] * STEPS  # steps 0 .. STEPS - 1: none for the resumed step
+    cases = [
+        (lambda step: table[step], rf"step -> lr function raised IndexError for step {STEPS}"),
+        (lambda step: 1e-3 if step < STEPS else float("nan"), rf"returned nan for step {STEPS}"),
+    ]
+    for function, match in cases:
+        model = TinyLM(seed=1)
+        refused(path, model, adamw(model), match, scheduler=function)
+
+
 def test_a_sharded_folder_is_checked_through_its_metadata(tmp_path):
     """A folder of torch.distributed.checkpoint (parallel="fsdp" in one process): checked
     against DCP's metadata before DCP loads anything into the model (a96b1fb: DCP's own error

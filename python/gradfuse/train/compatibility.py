@@ -32,6 +32,7 @@ import torch
 
 from . import checkpoint
 from .resume import PROGRESS_KEYS, follows_steps, module_state
+from .schedule import FunctionLR
 
 # torch's optimizers whose state tensors are each a scalar or of their parameter's shape.
 PARAM_SHAPED = tuple(
@@ -243,6 +244,16 @@ def _scheduler(saved, scheduler) -> list[str]:
     if follows_steps(scheduler):  # the config's schedule or a step -> lr function: the step count is all
         if not isinstance(saved.get("last_epoch"), int):
             return ["the learning-rate schedule's saved state has no step count (last_epoch)"]
+        if isinstance(scheduler, FunctionLR):  # it must have a learning rate for the step resumed at
+            try:
+                scheduler.lr_of(saved["last_epoch"])
+            except ValueError as err:
+                return [f"the learning-rate schedule: {err}"]
+            except Exception as err:
+                return [
+                    f"the learning-rate schedule: the step -> lr function raised {type(err).__name__} for step "
+                    f"{saved['last_epoch']}, where this run resumes: {err}"
+                ]
         return []
     now = set(scheduler.state_dict()) - PROGRESS_KEYS
     theirs = set(saved) - PROGRESS_KEYS
