@@ -151,6 +151,34 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, caplog
     assert all(torch.equal(a, b) for a, b in zip(weights(branch.model), weights(again.model), strict=True))
 
 
+def test_resuming_an_older_checkpoint_sets_the_newer_best_aside_too(tmp_path, caplog):
+    """keep_best: the best checkpoint written after the one resumed from (best.pt of step 4, the
+    run resumed from step 2) belongs to the continuation this run replaces, as its step files
+    do: it is set aside with them, whole, instead of staying this run's best (resumed from it
+    later, another run's weights) or being overwritten by this run's first improvement (the
+    other continuation's best model lost)."""
+
+    def run(**overrides):
+        model = TinyLM()
+        extra = {k: overrides.pop(k) for k in ("resume",) if k in overrides}
+        settings = {"max_steps": 4, "checkpoint_dir": tmp_path, "save_every": 1, "keep_last": 4, "eval_every": 1}
+        cfg = config(**{**settings, "keep_best": True, **overrides})
+        evaluated = list(loader(16, shuffle=False))
+        return Trainer(model, adamw(model), loader(), cfg, eval_data=evaluated, **extra)
+
+    run().fit()
+    best = tmp_path / "best.pt"
+    other_best, other_step = best.read_bytes(), load_checkpoint(best)["step"]
+    assert other_step > 2, other_step  # the eval loss fell in steps 3-4: best.pt is newer than step 2
+    with caplog.at_level(logging.WARNING, logger="gradfuse.train"):
+        branch = run(resume=tmp_path / "step-00000002.pt", max_steps=3, lr=1e-3)
+    assert "best.pt" in caplog.text and "superseded-" in caplog.text, caplog.text
+    assert not best.exists() and (tmp_path / "superseded-best.pt").read_bytes() == other_best
+    branch.fit()
+    assert (tmp_path / "superseded-best.pt").read_bytes() == other_best
+    assert not best.exists() or load_checkpoint(best)["step"] <= 3  # only this run's own best
+
+
 # --- one writer at a time -----------------------------------------------------------------------
 
 
