@@ -78,6 +78,23 @@ def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path)
     assert trainer(tmp_path, resume="latest", max_steps=5).step == 4
 
 
+def test_resume_latest_in_a_folder_of_a_best_checkpoint_alone_names_a_way_that_works(tmp_path):
+    """A folder holding a best checkpoint and no step checkpoint (keep_best without save_every,
+    a run killed before its end): resume="latest" finds nothing to continue, and the refusal
+    names the best checkpoint's path to resume from, not resume='latest' again (before: it
+    advised resume='latest', the call that was refused)."""
+    model = TinyLM()
+    cfg = config(max_steps=2, checkpoint_dir=tmp_path, eval_every=1, keep_best=True)
+    Trainer(model, adamw(model), loader(), cfg, eval_data=list(loader(16, shuffle=False))).save(best=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt"]
+    with pytest.raises(CheckpointFolderTaken) as refused:
+        trainer(tmp_path, resume="latest")
+    message = str(refused.value)
+    assert f"resume='{tmp_path / 'best.pt'}'" in message and "start_over=True" in message, message
+    assert "pass Trainer(..., resume='latest')" not in message, message
+    assert trainer(tmp_path, resume=tmp_path / "best.pt").step == 0
+
+
 def test_start_over_deletes_the_other_runs_checkpoints_and_keeps_its_own(tmp_path, caplog):
     trainer(tmp_path).fit()
     saved = Saved()

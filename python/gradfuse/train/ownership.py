@@ -91,12 +91,18 @@ def check_folder(
             if resumed_from is None
             else f"this run, resumed from {resumed_from} (outside it), which is a fresh run there"
         )
+        if latest:  # resume="latest" found no step checkpoint: the folder holds a best or set-aside one
+            go_on = (
+                "resume='latest' continues from step checkpoints, and there is none; to continue from one of these "
+                f"pass its path, e.g. Trainer(..., resume='{found[0]}')"
+            )
+        else:
+            go_on = "To continue that run pass Trainer(..., resume='latest')"
         raise CheckpointFolderTaken(
             f"TrainConfig.checkpoint_dir {directory} holds the checkpoints of another run ({_names(found)}), and "
             f"{whose} would write its own among them: keep_last would prune by step across both runs and "
-            "resume='latest' could continue the wrong one. To continue that run pass Trainer(..., resume='latest'); "
-            "to start over, Trainer(..., start_over=True), which deletes them first; or give this run another "
-            "checkpoint_dir"
+            f"resume='latest' could continue the wrong one. {go_on}; to start over, Trainer(..., start_over=True), "
+            "which deletes them first; or give this run another checkpoint_dir"
         )
     newer = [p for p in checkpoint.list_checkpoints(directory) if checkpoint.step_of(p) > resumed_step]
     newer += [p for p in _bests(directory) if _resolved(p) != _resolved(resumed_from) and _later(p, resumed_step)]
