@@ -33,6 +33,7 @@ import torch
 from . import checkpoint
 from .resume import PROGRESS_KEYS, follows_steps, module_state
 from .schedule import FunctionLR
+from .sharded_checkpoint import read_metadata
 
 # torch's optimizers whose state tensors are each a scalar or of their parameter's shape.
 PARAM_SHAPED = tuple(
@@ -122,9 +123,7 @@ def _from_state_dict(saved: dict, state: dict) -> dict:
 def _from_metadata(folder: Path, state: dict) -> tuple[dict, dict]:
     """The model and optimizer as DCP's metadata of a sharded folder describes them; the state
     is keyed by parameter name there."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(folder).read_metadata()
+    metadata = read_metadata(folder)
     model, settings, state_by_name = {}, {}, {}
     for key, where in (metadata.planner_data or {}).items():
         entry = metadata.state_dict_metadata.get(key)
