@@ -78,6 +78,23 @@ def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path)
     assert trainer(tmp_path, resume="latest", max_steps=5).step == 4
 
 
+def test_resume_latest_in_a_folder_of_a_best_checkpoint_alone_names_a_way_that_works(tmp_path):
+    """A folder holding a best checkpoint and no step checkpoint (keep_best without save_every,
+    a run killed before its end): resume="latest" finds nothing to continue, and the refusal
+    names the best checkpoint's path to resume from, not resume='latest' again (before: it
+    advised resume='latest', the call that was refused)."""
+    model = TinyLM()
+    cfg = config(max_steps=2, checkpoint_dir=tmp_path, eval_every=1, keep_best=True)
+    Trainer(model, adamw(model), loader(), cfg, eval_data=list(loader(16, shuffle=False))).save(best=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt"]
+    with pytest.raises(CheckpointFolderTaken) as refused:
+        trainer(tmp_path, resume="latest")
+    message = str(refused.value)
+    assert f"resume='{tmp_path / 'best.pt'}'" in message and "start_over=True" in message, message
+    assert "pass Trainer(..., resume='latest')" not in message, message
+    assert trainer(tmp_path, resume=tmp_path / "best.pt").step == 0
+
+
 def test_start_over_deletes_the_other_runs_checkpoints_and_keeps_its_own(tmp_path, caplog):
     trainer(tmp_path).fit()
     saved = Saved()
@@ -151,6 +168,34 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, caplog
     assert all(torch.equal(a, b) for a, b in zip(weights(branch.model), weights(again.model), strict=True))
 
 
+def test_resuming_an_older_checkpoint_sets_the_newer_best_aside_too(tmp_path, caplog):
+    """keep_best: the best checkpoint written after the one resumed from (best.pt of step 4, the
+    run resumed from step 2) belongs to the continuation this run replaces, as its step files
+    do: it is set aside with them, whole, instead of staying this run's best (resumed from it
+    later, another run's weights) or being overwritten by this run's first improvement (the
+    other continuation's best model lost)."""
+
+    def run(**overrides):
+        model = TinyLM()
+        extra = {k: overrides.pop(k) for k in ("resume",) if k in overrides}
+        settings = {"max_steps": 4, "checkpoint_dir": tmp_path, "save_every": 1, "keep_last": 4, "eval_every": 1}
+        cfg = config(**{**settings, "keep_best": True, **overrides})
+        evaluated = list(loader(16, shuffle=False))
+        return Trainer(model, adamw(model), loader(), cfg, eval_data=evaluated, **extra)
+
+    run().fit()
+    best = tmp_path / "best.pt"
+    other_best, other_step = best.read_bytes(), load_checkpoint(best)["step"]
+    assert other_step > 2, other_step  # the eval loss fell in steps 3-4: best.pt is newer than step 2
+    with caplog.at_level(logging.WARNING, logger="gradfuse.train"):
+        branch = run(resume=tmp_path / "step-00000002.pt", max_steps=3, lr=1e-3)
+    assert "best.pt" in caplog.text and "superseded-" in caplog.text, caplog.text
+    assert not best.exists() and (tmp_path / "superseded-best.pt").read_bytes() == other_best
+    branch.fit()
+    assert (tmp_path / "superseded-best.pt").read_bytes() == other_best
+    assert not best.exists() or load_checkpoint(best)["step"] <= 3  # only this run's own best
+
+
 # --- one writer at a time -----------------------------------------------------------------------
 
 
@@ -196,6 +241,21 @@ def test_a_sharded_writer_is_refused_while_a_trainer_holds_the_folder(tmp_path):
     assert scenarios.fsdp_trainer(tmp_path, 0, 1, resume="latest").step == 4
 
 
+def test_fit_that_fails_before_its_first_step_lets_go_of_the_folder(tmp_path):
+    """fit() raising while it sets up (here: the metrics file cannot be made, its folder is a
+    file) lets go of the checkpoint folder as a fit() that fails in a step does: a Trainer
+    made next (with the path fixed) takes the folder. (Before: the failed Trainer kept the lock
+    while it lived, and the next one was refused as a second writer in this process.)"""
+    (tmp_path / "not-a-folder").write_text("")
+    failing = trainer(tmp_path / "run", metrics_path=tmp_path / "not-a-folder" / "metrics.jsonl")
+    with pytest.raises(OSError):
+        failing.fit()
+    assert not failing.lock.held and not (tmp_path / "run" / LOCK_FILE).exists()
+    fixed = trainer(tmp_path / "run", metrics_path=tmp_path / "metrics.jsonl", max_steps=1)
+    fixed.fit()
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000001.pt"]
+
+
 HOLDER = textwrap.dedent(
     """
     import sys, time
@@ -230,6 +290,53 @@ def test_a_trainer_in_another_process_is_refused_until_that_process_dies(tmp_pat
     assert (tmp_path / LOCK_FILE).exists()  # left by the killed process
     trainer(tmp_path, max_steps=1).fit()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000001.pt"]
+
+
+FORKS = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, sys.argv[2])
+    from test_trainer import TinyLM, adamw, config, loader
+    from gradfuse.train import Trainer
+
+    model = TinyLM()
+    trainer = Trainer(model, adamw(model), loader(), config(checkpoint_dir=sys.argv[1]))
+    child = os.fork()
+    if child == 0:  # a forked child that ends as Python programs do (atexit runs), or lets go of the Trainer
+        print(trainer.lock.held, flush=True)
+        trainer.close()
+        sys.exit(0)
+    os.waitpid(child, 0)
+    print(trainer.lock.held, flush=True)
+    sys.stdin.readline()  # holds the folder until told
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_ending_leaves_the_parents_lock_alone(tmp_path):
+    """A process holding the folder forks (a launcher, a data worker, the user's own code); the
+    child inherits the Trainer and its lock's descriptor. The child is not the holder (it cannot
+    write under the parent's lock), and when it lets go of the Trainer or ends, the parent still
+    holds the folder: another process is refused. (Before: the child's exit deleted the parent's
+    lock file, and a second writer took the folder while the first still trained.)"""
+    command = [sys.executable, "-c", FORKS, str(tmp_path), os.path.dirname(__file__)]
+    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with subprocess.Popen(command, **pipes) as proc:
+        try:
+            lines = []
+            for _ in range(2):
+                ready, _, _ = select.select([proc.stdout], [], [], 90)  # a hang is a failure, not a wait
+                lines.append(proc.stdout.readline() if ready else "")
+            assert lines == ["False\n", "True\n"], (lines, proc.stderr.read() if proc.poll() is not None else "")
+            assert (tmp_path / LOCK_FILE).exists()
+            with pytest.raises(CheckpointFolderInUse, match=f"pid {proc.pid} on"):
+                trainer(tmp_path)
+        finally:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, proc.stderr.read()
+    trainer(tmp_path, max_steps=1).fit()  # the parent has ended: the folder is free
 
 
 # --- a write that fails inside torch's writer ---------------------------------------------------

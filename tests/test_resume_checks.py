@@ -167,6 +167,50 @@ def test_a_torch_scheduler_of_another_kind_is_named(tmp_path):
     assert resumed.step == STEPS and resumed.optimizer.param_groups[0]["lr"] == 1e-3
 
 
+@pytest.mark.parametrize("scheduler", ["OneCycleLR", "SWALR"])
+def test_an_old_checkpoint_of_a_torch_scheduler_resumes_with_a_step_function(tmp_path, scheduler):
+    """A checkpoint without the optimizer's record (a96b1fb) of a run with a torch scheduler that
+    writes settings of its own into the param groups (OneCycleLR: max_lr, min_lr, max_momentum,
+    base_momentum; SWALR: swa_lr) resumes with a step -> lr function, as the refusal of another
+    scheduler kind advises: those keys are the schedule's, not another optimizer class's (before:
+    refused as "saved with settings ..., which AdamW does not have")."""
+    model = TinyLM()
+    opt = adamw(model)
+    made = {
+        "OneCycleLR": lambda: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10),
+        "SWALR": lambda: torch.optim.swa_utils.SWALR(opt, swa_lr=1e-3, anneal_epochs=2),
+    }[scheduler]()
+    Trainer(model, opt, loader(), config(max_steps=STEPS, checkpoint_dir=tmp_path), scheduler=made).fit()
+    path = tmp_path / f"step-{STEPS:08d}.pt"
+    as_written_by_a96b1fb(path)
+    model = TinyLM(seed=1)
+    cfg = config(max_steps=STEPS + 2, checkpoint_dir=tmp_path)
+    resumed = Trainer(model, adamw(model), loader(), cfg, resume=path, scheduler=lambda step: 1e-3)
+    assert resumed.step == STEPS and resumed.optimizer.param_groups[0]["lr"] == 1e-3
+    saved = load_checkpoint(path)["model"]
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    resumed.close()
+    # Another optimizer class still shows in the settings it carries.
+    model = TinyLM(seed=1)
+    refused(path, model, momentum_sgd(model), "saved with settings .*amsgrad.*which SGD does not have")
+
+
+def test_a_step_function_that_fails_at_the_resumed_step_is_named_and_nothing_changes(tmp_path):
+    """A step -> lr function that has no learning rate for the step a run resumes at (a table
+    shorter than the run now, a NaN past its end) is refused before anything is loaded, naming
+    the step (before: its error came from the schedule's load, after the model's weights and the
+    optimizer's state had been overwritten from the checkpoint)."""
+    path = saved_run(tmp_path, adamw)
+    table = [1e-3] * STEPS  # steps 0 .. STEPS - 1: none for the resumed step
+    cases = [
+        (lambda step: table[step], rf"step -> lr function raised IndexError for step {STEPS}"),
+        (lambda step: 1e-3 if step < STEPS else float("nan"), rf"returned nan for step {STEPS}"),
+    ]
+    for function, match in cases:
+        model = TinyLM(seed=1)
+        refused(path, model, adamw(model), match, scheduler=function)
+
+
 def test_a_sharded_folder_is_checked_through_its_metadata(tmp_path):
     """A folder of torch.distributed.checkpoint (parallel="fsdp" in one process): checked
     against DCP's metadata before DCP loads anything into the model (a96b1fb: DCP's own error

@@ -8,7 +8,8 @@ checkpoint, and the settings given now over the saved ones), ``callbacks`` (the 
 ``interrupt`` (SIGINT/SIGTERM: finish the step, save, stop), ``distributed`` (gradient
 management per process layout), ``fsdp`` (the model sharded by FSDP2), ``lock`` (one writer per
 checkpoint folder), ``ownership`` (one run's checkpoints per folder), ``compatibility`` (does a
-checkpoint fit this run, checked before a resume loads anything).
+checkpoint fit this run, checked before a resume loads anything), ``ranks`` (checks every rank
+makes together: a failure on one is raised on all).
 """
 
 from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pickle
 import random
 import re
 import shutil
@@ -87,6 +88,18 @@ def step_of(path: str | os.PathLike) -> int | None:
     for another name."""
     m = _NAME.match(Path(path).name)
     return int(m.group(1)) if m else None
+
+
+def saved_step(path: str | os.PathLike) -> int | None:
+    """The step a checkpoint file or sharded folder holds, read without loading its tensors
+    (a file through ``mmap``, a folder from its shared state); None if it cannot be read."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            return load_checkpoint(path / TRAINER_FILE)["step"]
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
+    except (CheckpointError, OSError, RuntimeError, KeyError, TypeError, ValueError, pickle.UnpicklingError):
+        return None
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:

@@ -32,6 +32,8 @@ import torch
 
 from . import checkpoint
 from .resume import PROGRESS_KEYS, follows_steps, module_state
+from .schedule import FunctionLR
+from .sharded_checkpoint import read_metadata
 
 # torch's optimizers whose state tensors are each a scalar or of their parameter's shape.
 PARAM_SHAPED = tuple(
@@ -39,7 +41,10 @@ PARAM_SHAPED = tuple(
     for name in ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adadelta", "ASGD")
     if hasattr(torch.optim, name)
 )
-_NOT_SETTINGS = {"params", "lr", "initial_lr"}  # a group's keys that say nothing about its class
+# A group's keys that say nothing about its class: its parameters and learning rate, and what torch's
+# schedulers write into it (LRScheduler: initial_lr; OneCycleLR: max_lr, min_lr, max_momentum,
+# base_momentum; SWALR: swa_lr), which a resume with a schedule of another kind does not have.
+_NOT_SETTINGS = {"params", "lr", "initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"}
 _SHOWN = 6  # differences named per kind; the rest counted
 
 
@@ -118,9 +123,7 @@ def _from_state_dict(saved: dict, state: dict) -> dict:
 def _from_metadata(folder: Path, state: dict) -> tuple[dict, dict]:
     """The model and optimizer as DCP's metadata of a sharded folder describes them; the state
     is keyed by parameter name there."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(folder).read_metadata()
+    metadata = read_metadata(folder)
     model, settings, state_by_name = {}, {}, {}
     for key, where in (metadata.planner_data or {}).items():
         entry = metadata.state_dict_metadata.get(key)
@@ -240,6 +243,16 @@ def _scheduler(saved, scheduler) -> list[str]:
     if follows_steps(scheduler):  # the config's schedule or a step -> lr function: the step count is all
         if not isinstance(saved.get("last_epoch"), int):
             return ["the learning-rate schedule's saved state has no step count (last_epoch)"]
+        if isinstance(scheduler, FunctionLR):  # it must have a learning rate for the step resumed at
+            try:
+                scheduler.lr_of(saved["last_epoch"])
+            except ValueError as err:
+                return [f"the learning-rate schedule: {err}"]
+            except Exception as err:
+                return [
+                    f"the learning-rate schedule: the step -> lr function raised {type(err).__name__} for step "
+                    f"{saved['last_epoch']}, where this run resumes: {err}"
+                ]
         return []
     now = set(scheduler.state_dict()) - PROGRESS_KEYS
     theirs = set(saved) - PROGRESS_KEYS

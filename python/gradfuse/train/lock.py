@@ -16,6 +16,12 @@ still refused (two processes on such a file system are not).
 
 A ``FolderLock`` is released by ``release()``, or when it is garbage collected; the writers
 take one for the duration of a save when none is given (``holding``).
+
+A forked child inherits the descriptor (and so, for the kernel, a share of the ``flock``) but
+is not the holder: in the child ``held`` is False (a Trainer there takes a lock of its own to
+save, and is refused while the parent holds it), and letting go of the lock there, or the
+child's exit, closes the child's copy of the descriptor only: the parent's lock file stays and
+the parent keeps the folder.
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ class FolderLock:
         self.holder = f"{holder} (pid {os.getpid()} on {socket.gethostname()}, since {_now()})"
         fd = _lock_file(self.path, self.directory)
         _held[self._key] = self.holder
-        self._release = weakref.finalize(self, _unlock, fd, self.path, self._key)
+        self._pid = os.getpid()  # the holder; a forked child is not (module docs)
+        self._release = weakref.finalize(self, _unlock, fd, self.path, self._key, self._pid)
         try:  # who holds it, for the message another writer gets
             os.ftruncate(fd, 0)
             os.write(fd, json.dumps({"holder": self.holder}).encode() + b"\n")
@@ -67,7 +74,7 @@ class FolderLock:
 
     @property
     def held(self) -> bool:
-        return self._release.alive
+        return self._release.alive and os.getpid() == self._pid
 
     def release(self) -> None:
         """Let go of the folder (and delete the lock file); a second call does nothing."""
@@ -125,11 +132,16 @@ def _lock_file(path: Path, directory: Path) -> int:
     raise CheckpointFolderInUse(_busy(directory, "writers that keep taking and releasing it"))
 
 
-def _unlock(fd: int, path: Path, key: str) -> None:
+def _unlock(fd: int, path: Path, key: str, pid: int) -> None:
     _held.pop(key, None)
-    with contextlib.suppress(OSError):
-        path.unlink()  # while still locked: a writer waiting on this file opens the path again
+    if os.getpid() == pid:  # in a forked child the file is the parent's, still locked by it
+        with contextlib.suppress(OSError):
+            path.unlink()  # while still locked: a writer waiting on this file opens the path again
     os.close(fd)  # closing the last descriptor releases the flock
+
+
+if hasattr(os, "register_at_fork"):  # a child holds none of the parent's folders (module docs)
+    os.register_at_fork(after_in_child=_held.clear)
 
 
 def _holder_in(path: Path) -> str:

@@ -14,7 +14,9 @@ right only while the folder holds one run's checkpoints, in order. So when a Tra
   Resumed from an older one than the newest (an explicit path, ``best.pt``), the newer ones
   belong to a continuation this run replaces: left there, its saves would mix with them and
   ``resume="latest"`` would pick theirs. They are renamed ``superseded-step-...`` (out of
-  ``keep_last`` and ``resume="latest"``'s sight, kept for you to delete), with a warning.
+  ``keep_last`` and ``resume="latest"``'s sight, kept for you to delete), with a warning; so is
+  a best checkpoint (``keep_best``) of a later step than the one resumed from, which would
+  otherwise stand as this run's best or be overwritten by this run's first improvement.
   (``resume="latest"`` resumes the newest valid one: newer ones are damaged, passed over, and
   pruning leaves them alone, ``checkpoint.remove_old``.)
 
@@ -41,9 +43,18 @@ class CheckpointFolderTaken(checkpoint.CheckpointError):
 def checkpoints_in(directory: str | os.PathLike) -> list[Path]:
     """The checkpoints of ``directory``: ``step-*`` files and folders by step, then the best."""
     directory = Path(directory)
-    found = checkpoint.list_checkpoints(directory)
-    best = [p for p in (directory / checkpoint.BEST, directory / checkpoint.BEST_FOLDER) if p.exists()]
-    return found + best + sorted(directory.glob(f"{SUPERSEDED}*"))
+    return checkpoint.list_checkpoints(directory) + _bests(directory) + sorted(directory.glob(f"{SUPERSEDED}*"))
+
+
+def _bests(directory: Path) -> list[Path]:
+    """The best checkpoint of ``directory`` (``keep_best``: a file, or a sharded folder)."""
+    return [p for p in (directory / checkpoint.BEST, directory / checkpoint.BEST_FOLDER) if p.exists()]
+
+
+def _later(path: Path, step: int) -> bool:
+    """Whether the checkpoint at ``path`` holds a later step than ``step`` (unreadable: no)."""
+    saved = checkpoint.saved_step(path)
+    return saved is not None and saved > step
 
 
 def check_folder(
@@ -80,14 +91,21 @@ def check_folder(
             if resumed_from is None
             else f"this run, resumed from {resumed_from} (outside it), which is a fresh run there"
         )
+        if latest:  # resume="latest" found no step checkpoint: the folder holds a best or set-aside one
+            go_on = (
+                "resume='latest' continues from step checkpoints, and there is none; to continue from one of these "
+                f"pass its path, e.g. Trainer(..., resume='{found[0]}')"
+            )
+        else:
+            go_on = "To continue that run pass Trainer(..., resume='latest')"
         raise CheckpointFolderTaken(
             f"TrainConfig.checkpoint_dir {directory} holds the checkpoints of another run ({_names(found)}), and "
             f"{whose} would write its own among them: keep_last would prune by step across both runs and "
-            "resume='latest' could continue the wrong one. To continue that run pass Trainer(..., resume='latest'); "
-            "to start over, Trainer(..., start_over=True), which deletes them first; or give this run another "
-            "checkpoint_dir"
+            f"resume='latest' could continue the wrong one. {go_on}; to start over, Trainer(..., start_over=True), "
+            "which deletes them first; or give this run another checkpoint_dir"
         )
     newer = [p for p in checkpoint.list_checkpoints(directory) if checkpoint.step_of(p) > resumed_step]
+    newer += [p for p in _bests(directory) if _resolved(p) != _resolved(resumed_from) and _later(p, resumed_step)]
     for path in newer:
         os.replace(path, _free_name(path))
     if newer:
@@ -95,8 +113,8 @@ def check_folder(
         logger.warning(
             f"resuming from {resumed_from} (step {resumed_step}): the newer checkpoints in {directory} "
             f"({_names(newer)}) belong to the continuation this run replaces; they are renamed "
-            f"{SUPERSEDED}step-... so that keep_last and resume='latest' work on this run's alone. Delete them when "
-            "you no longer need them"
+            f"{SUPERSEDED}... so that keep_last, keep_best and resume='latest' work on this run's alone. Delete them "
+            "when you no longer need them"
         )
 
 

@@ -66,15 +66,20 @@ class FunctionLR(torch.optim.lr_scheduler.LRScheduler):
         super().__init__(optimizer)
 
     def get_lr(self) -> list[float]:
-        lr = self.lr_at(self.last_epoch)
+        return [self.lr_of(self.last_epoch)] * len(self.optimizer.param_groups)
+
+    def lr_of(self, step: int) -> float:
+        """The function's learning rate for ``step``, checked (``ValueError`` for a value that is
+        not a learning rate)."""
+        lr = self.lr_at(step)
         if isinstance(lr, torch.Tensor) and lr.numel() == 1:
             lr = lr.item()
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < math.inf:
             raise ValueError(
-                f"Trainer(scheduler=...) returned {lr!r} for step {self.last_epoch}: a learning rate must be a "
+                f"Trainer(scheduler=...) returned {lr!r} for step {step}: a learning rate must be a "
                 "non-negative finite number"
             )
-        return [float(lr)] * len(self.optimizer.param_groups)
+        return float(lr)
 
     def state_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_at")}

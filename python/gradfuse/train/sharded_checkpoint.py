@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from . import checkpoint
 from .lock import FolderLock, holding
+from .ranks import agree_on_checkpoint, together
 
 logger = logging.getLogger("gradfuse.train")
 # DCP says so whenever it runs without a process group; here that is asked for (group=None).
@@ -90,7 +91,7 @@ def _save(directory, step, model, optimizer, shared, own, keep_last, group, name
         checkpoint.remove_stale_saves(directory)
         temp.mkdir()
 
-    _together(group, rank == 0 and prepare, f"could not start the checkpoint {final}")
+    together(group, rank == 0 and prepare, f"could not start the checkpoint {final}")
     dcp, _, _ = _dcp()
     stepped = bool(optimizer.state)
     model_state, optimizer_state = state_to_save(model, optimizer)
@@ -106,7 +107,7 @@ def _save(directory, step, model, optimizer, shared, own, keep_last, group, name
         # The CRC-32 of every shard file is recorded, each rank reading an even share of them. The
         # shard files are those the written metadata names: what dcp.save returns lacks them on
         # torch 2.11 (its FileSystemWriter.finish fills a copy of the metadata), so it is read back.
-        shards = sorted({info.relative_path for info in _read_metadata(temp).storage_data.values()})
+        shards = sorted({info.relative_path for info in read_metadata(temp).storage_data.values()})
         files = {file: checkpoint.file_crc32(temp / file) for file in shards[rank::world]}
         own_part = {"rank": rank, "world_size": world, "files": files, **(own or {})}
         checkpoint.write_file(checkpoint.rank_file(temp, rank), own_part)
@@ -119,7 +120,7 @@ def _save(directory, step, model, optimizer, shared, own, keep_last, group, name
             checkpoint.write_file(temp / checkpoint.TRAINER_FILE, shared_part)
 
     try:
-        _together(group, write_parts, f"could not write the checkpoint {final}")
+        together(group, write_parts, f"could not write the checkpoint {final}")
     except BaseException:
         if rank == 0:
             checkpoint.remove_stale_saves(directory)
@@ -140,7 +141,7 @@ def _save(directory, step, model, optimizer, shared, own, keep_last, group, name
         if name is None and keep_last is not None:
             checkpoint.remove_old(directory, keep_last, newest=final)
 
-    _together(group, rank == 0 and commit, f"could not commit the checkpoint {final}")
+    together(group, rank == 0 and commit, f"could not commit the checkpoint {final}")
     return final
 
 
@@ -163,7 +164,7 @@ def load_model_and_optimizer(folder: str | os.PathLike, model: torch.nn.Module, 
         def prepare():
             loaded["model"], loaded["optimizer"], loaded["saved"] = optimizer_template(folder, model, optimizer)
 
-        _together(group, _naming(failure, prepare), failure)
+        together(group, _naming(failure, prepare), failure)
         model_state, optimizer_state, saved = loaded["model"], loaded["optimizer"], loaded["saved"]
         # DCP fills the states the checkpoint holds; the template's others are torch's made-up ones.
         state = {"model": model_state, "optimizer": _only(optimizer_state, saved)}
@@ -176,49 +177,12 @@ def load_model_and_optimizer(folder: str | os.PathLike, model: torch.nn.Module, 
                 saved.clear()  # saved by an older gradfuse with the made-up state of an optimizer without one
             forget_made_up_state(optimizer, optimizer_state, saved)
 
-        _together(group, _naming(failure, put_in_place), failure)
+        together(group, _naming(failure, put_in_place), failure)
     except BaseException:
         put_aside.restore_state()
         raise
     finally:
         put_aside.restore_grads()
-
-
-def agree_on_checkpoint(path: str | os.PathLike | None, group, *, folders_only: str | None = None) -> None:
-    """Check, on every rank of ``group`` together (``None``: this process alone), that the ranks
-    resume alike: every rank from a checkpoint or none (``path=None``: this rank found none), and
-    then one sharded checkpoint folder on every rank, or single files on every rank
-    (``folders_only``: folders only, and what needs them, for the message). Otherwise every rank
-    raises ``CheckpointError`` naming each rank's checkpoint: a rank that refused alone (or
-    skipped the load) would leave the others waiting in the collectives of a load. Each rank
-    picks its checkpoint itself (``resume="latest"``)."""
-    mine = (os.fspath(Path(path).resolve()), Path(path).is_dir()) if path is not None else (None, False)
-    chosen: list = [mine]
-    if group is not None:
-        chosen = [None] * dist.get_world_size(group)
-        dist.all_gather_object(chosen, mine, group=group)
-    named = ", ".join(f"rank {rank}: {name or 'no checkpoint'}" for rank, (name, _) in enumerate(chosen))
-    without = [name for name, _ in chosen if name is None]
-    if without and len(without) < len(chosen):
-        raise checkpoint.CheckpointError(
-            f"the ranks would not resume alike, some from a checkpoint and some from step 0: {named}. With "
-            "resume='latest' each rank looks in its own TrainConfig.checkpoint_dir: it must be the same folder, on a "
-            "file system every rank sees"
-        )
-    if without:
-        return
-    files = [name for name, is_folder in chosen if not is_folder]
-    if folders_only and files:
-        raise checkpoint.CheckpointError(
-            f"{', '.join(dict.fromkeys(files))} is a single-file checkpoint (whole tensors); {folders_only} needs a "
-            f"sharded checkpoint folder (step-XXXXXXXX/) ({named})"
-        )
-    folders = {name for name, is_folder in chosen if is_folder}
-    if len(folders) > 1 or (folders and files):
-        raise checkpoint.CheckpointError(
-            f"the ranks would load different checkpoints: {named}; every rank must see the same checkpoint folder "
-            "(a shared file system)"
-        )
 
 
 def load(folder: str | os.PathLike, model: torch.nn.Module, optimizer, *, group=None) -> dict:
@@ -302,7 +266,7 @@ def optimizer_template(
     state and no gradients, see ``_SetAside``). Raises ``CheckpointError`` where the checkpoint
     holds state this optimizer has no place for: it would be dropped without a word."""
     _, get_state_dict, _ = _dcp()
-    keys = _read_metadata(folder).state_dict_metadata
+    keys = read_metadata(folder).state_dict_metadata
     model_state, optimizer_state = get_state_dict(model, optimizer)
     trainable = set(optimizer_state["state"])
     known = {fqn for group in optimizer_state["param_groups"] for fqn in group["params"]}
@@ -403,20 +367,6 @@ def _dcp_errors(failure: str):
         raise checkpoint.CheckpointError(f"{failure}: {why or err}") from err
 
 
-# --- the Trainer's checkpoint folder, on every rank together -------------------------------------
-
-
-def together(group, work, failure: str):
-    """``work()`` on this rank (falsy: nothing to do here), then every rank of ``group`` (None:
-    this process alone) raises if it failed on any, naming the ranks and their errors; returns
-    what ``work`` returned (None where it did not run). For the checks a Trainer makes of its
-    checkpoint folder and of a checkpoint before it resumes (lock, ownership, validation): a rank
-    that raised alone would leave the others waiting in their next collective."""
-    result = []
-    _together(group, work and (lambda: result.append(work())), failure)
-    return result[0] if result else None
-
-
 def _dcp():
     """``torch.distributed.checkpoint`` and its state-dict functions, imported when first used:
     importing them costs about a second, too much for every ``import gradfuse``."""
@@ -426,7 +376,7 @@ def _dcp():
     return dcp, get_state_dict, set_state_dict
 
 
-def _read_metadata(folder: Path):
+def read_metadata(folder: Path):
     """DCP's metadata of the checkpoint in ``folder``, as its ``.metadata`` file holds it."""
     dcp, _, _ = _dcp()
     return dcp.FileSystemReader(folder).read_metadata()
@@ -436,31 +386,6 @@ def _rank_and_world(group) -> tuple[int, int]:
     if group is None:
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _together(group, work, failure: str) -> None:
-    """Run ``work`` (falsy: nothing) on this rank, then wait for every rank of ``group``: if it
-    failed on any, every rank raises, naming the ranks and their errors (no rank is left
-    waiting in a collective that will never come)."""
-    error = None
-    try:
-        if work:
-            work()
-    except Exception as err:
-        error = err
-    if group is None:
-        if error is not None:
-            raise error
-        return
-    errors: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}", group=group)
-    if error is not None:
-        raise error
-    failed = {rank: why for rank, why in enumerate(errors) if why is not None}
-    if failed:
-        raise checkpoint.CheckpointError(
-            f"{failure}: " + "; ".join(f"rank {rank}: {why}" for rank, why in failed.items())
-        )
 
 
 @contextlib.contextmanager

@@ -49,6 +49,7 @@ from .health import LayerStatsProbe, SpikeSkipper, clip_policy, module_prefix
 from .interrupt import StopSignals, TrainingInterrupted
 from .lock import FolderLock
 from .metrics import Metrics, Throughput, check_tensorboard, peak_memory_mb
+from .ranks import agree_on_checkpoint, together
 from .schedule import build_scheduler, check_user_scheduler, user_scheduler
 
 LossFn = Callable[[torch.nn.Module, object], torch.Tensor]
@@ -440,13 +441,13 @@ class Trainer:
             cfg.metrics_path, cfg.progress, cfg.max_steps, self.step, self.world.is_main, cfg.tensorboard_dir,
             cfg.log_every,
         )  # fmt: skip
-        with metrics, StopSignals() as self._stop:
-            try:
+        try:
+            with metrics, StopSignals() as self._stop:
                 while self.step < cfg.max_steps:
                     self._fit_step(metrics, throughput)
-            finally:
-                self._stop = None
-                self.close()  # the checkpoint folder is free for the next writer
+        finally:
+            self._stop = None
+            self.close()  # the checkpoint folder is free for the next writer, however fit() ends
         return metrics.rows
 
     def _fit_step(self, metrics: Metrics, throughput: Throughput) -> None:
@@ -657,9 +658,9 @@ class Trainer:
             path, state = None, None
             if resume is not None:
                 find = functools.partial(resuming.resolve, resume, cfg.checkpoint_dir, announce=main)
-                path, state = sharded_checkpoint.together(group, find, f"could not resume from {resume!r}")
+                path, state = together(group, find, f"could not resume from {resume!r}")
                 if state is None:  # "latest" found none here: the ranks must agree on that too
-                    sharded_checkpoint.agree_on_checkpoint(None, group)
+                    agree_on_checkpoint(None, group)
                 else:
                     state = self._check_resume(state, path)
             if cfg.checkpoint_dir is not None:
@@ -668,7 +669,7 @@ class Trainer:
                     resumed_step=None if state is None else state["step"], latest=resume == "latest",
                     start_over=start_over,
                 )  # fmt: skip
-                sharded_checkpoint.together(group, main and check, f"could not train into {cfg.checkpoint_dir}")
+                together(group, main and check, f"could not train into {cfg.checkpoint_dir}")
             if state is not None:
                 self._load_state(state, path)
         except BaseException:
@@ -683,7 +684,7 @@ class Trainer:
         part of a sharded checkpoint."""
         group, world = getattr(self.world, "group", None), self.world
         folders_only = "a model sharded by FSDP2" if getattr(self.grads, "sharded", False) else None
-        sharded_checkpoint.agree_on_checkpoint(path, group, folders_only=folders_only)
+        agree_on_checkpoint(path, group, folders_only=folders_only)
         if path.is_dir():  # the saved ranks' own parts: this rank's, or re-split on another world size
             own = sharded_checkpoint.rank_part(
                 state["ranks"], world.rank, world.world_size, announce=world.is_main, where=f" from {path}"
@@ -697,7 +698,7 @@ class Trainer:
             )  # fmt: skip
             self.batches.load_state_dict(state["data"])
 
-        sharded_checkpoint.together(group, check, f"could not resume from {path}")
+        together(group, check, f"could not resume from {path}")
         return state
 
     def _take_folder(self) -> None:
@@ -710,7 +711,7 @@ class Trainer:
             return FolderLock(directory, "a gradfuse.Trainer")
 
         group = getattr(self.world, "group", None)
-        self.lock = sharded_checkpoint.together(group, self.world.is_main and take, f"could not use {directory}")
+        self.lock = together(group, self.world.is_main and take, f"could not use {directory}")
         self._holding = True
 
     def _lock_held(self) -> FolderLock | None:
