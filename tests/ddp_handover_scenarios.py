@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from ddp_hook_scenarios import (
     NORM_RTOL,
+    Net,
     SparseNet,
     _assert_close_weights,
     _raises,
@@ -475,3 +476,89 @@ def trainer_step_reads_no_gradient_after_backward(rank, world):
             scaler.unscale_and_clip_(opt, MAX_NORM)
         assert len(reads.ops) == 1, reads.ops
         scaler.update()
+
+
+# --- an empty parameter ---------------------------------------------------------------------------
+
+
+class EmptyNet(Net):
+    """``Net`` with two empty parameters (zero-width placeholders, as a rank-0 adapter has),
+    both used in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Parameter(torch.zeros(0))
+        self.last = nn.Parameter(torch.zeros(0, 3))
+
+    def forward(self, x, use_extra=False):
+        return super().forward(x, use_extra) + self.first.sum() + self.last.sum()
+
+
+def an_empty_parameter_is_no_stale_handover(rank, world):
+    """An empty gradient changes no norm of positive order (nor the count of order 0) and holds
+    no inf/NaN, so the handover of a fresh measurement is taken as for any model: before the fix
+    it raised "3 gradients were given, and the backward left 2" (the empty gradient views no
+    bucket memory), and the Trainer under DDP failed at every step. For ``inf`` torch refuses an
+    empty gradient ("cannot compute the inf norm on an empty tensor"): the hook then leaves no
+    measurement, and the handover gives torch's answer, that error."""
+    for norm_type in (2.0, 1.0, 0.0):
+        ours, state, theirs = pair(EmptyNet, norm_type=norm_type)
+        for fused in (True, False):
+            (opt_o, sc_o), (opt_t, sc_t) = _scaler_pair(ours, theirs, fused)
+            zero(ours, theirs)
+            _backward(ours, theirs, rank, 1)
+            got = gradfuse.clip_grad_norm_(ours.parameters(), MAX_NORM, norm_type, measured=state)
+            want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), MAX_NORM, norm_type)
+            assert torch.equal(got, state.total_norm())
+            _assert_norm(got, want, f"order {norm_type}: drop-in")
+            _assert_clipped_grads(ours, theirs, f"order {norm_type}: drop-in")
+            zero(ours, theirs)
+            _backward(ours, theirs, rank, 2, scalers=(sc_o, sc_t))
+            got = sc_o.unscale_and_clip_(opt_o, MAX_NORM, norm_type, measured=state)
+            sc_t.unscale_(opt_t)
+            want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), MAX_NORM, norm_type)
+            _assert_norm(got, want, f"order {norm_type}, fused={fused}: scaler")
+            _finish(ours, theirs, opt_o, sc_o, opt_t, sc_t, f"order {norm_type}, fused={fused}: scaler")
+
+    ours, state, theirs = pair(EmptyNet, norm_type=math.inf)
+    _backward(ours, theirs, rank, 3)
+    with _raises(RuntimeError, "empty"):
+        state.total_norm()
+    with _raises(RuntimeError, "empty tensor"):
+        torch.nn.utils.clip_grad_norm_(theirs.parameters(), MAX_NORM, math.inf)
+    with _raises(RuntimeError, "empty tensor"):
+        gradfuse.clip_grad_norm_(ours.parameters(), MAX_NORM, math.inf, measured=state)
+    assert_same_grads(ours, theirs, "inf: nothing modified")
+
+    # The Trainer under DDP: every step hands the measurement over, and reads nothing after backward.
+    from train_dist_scenarios import combined_batches, mse, my_share, settings
+
+    from gradfuse.train import Trainer
+
+    class EmptyHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+            self.empty = nn.Parameter(torch.zeros(0))
+
+        def forward(self, x):
+            return self.net(x) + self.empty.sum()
+
+    torch.manual_seed(0)
+    net = EmptyHead()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+    data = my_share(combined_batches(8, 4 * world), rank, world)
+    trainer = Trainer(net, opt, data, settings(max_steps=2), loss_fn=mse)
+    counts = []
+    real = trainer._unscale_and_clip
+
+    def counted(*args):
+        with GradientReads([p.grad for p in net.parameters() if p.numel()]) as reads:
+            out = real(*args)
+        counts.append(list(reads.ops))
+        return out
+
+    trainer._unscale_and_clip = counted
+    rows = trainer.fit()
+    assert counts == [[], []], f"the clip after backward touched the gradients: {counts}"
+    assert rows[-1]["grad_norm"] == trainer.grads.hook.total_norm().item()

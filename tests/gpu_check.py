@@ -12,7 +12,10 @@ A GPU is at hand now and then, for minutes, and only a few small files come back
 
 Each part runs in its own process group under its own time limit (SIGTERM, then SIGKILL 10 s
 later, to the whole group: xdist's workers too), so one hang cannot eat the others' time; the
-defaults add up to 7.5 minutes. The output folder (``--out``; ``make`` passes ``GPU_OUT``,
+defaults add up to 7.5 minutes. What a part leaves running when it ends is stopped the same way
+(it would run on beside the bench). SIGTERM or SIGHUP to the check itself (the machine's own
+limit, which does not reach the parts' groups) stops the running part's group and writes the
+files, naming that part as stopped. The output folder (``--out``; ``make`` passes ``GPU_OUT``,
 which defaults to ``$OUT`` when that is set) gets at most 8 small files: ``summary.txt``,
 ``cuda-tests.xml`` (the JUnit XML of both test parts), ``cuda-tests.log`` and ``bench.log``
 (trimmed), and the bench's own ``cuda_<device>_<date>.json``/``.md`` (and ``.png`` when it
@@ -25,6 +28,7 @@ skip, and the bench is a ``--quick`` CPU run of two workloads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -107,8 +111,15 @@ class Part:
             try:
                 code = proc.wait(timeout=self.limit_s)
             except subprocess.TimeoutExpired:
-                _stop_group(proc)
                 code = None
+            except Stopped:  # the check itself was told to stop: so is all of this part
+                _stop_group(proc)
+                self.seconds = time.monotonic() - start
+                self.status = f"STOPPED from outside after {self.seconds:.0f} s"
+                raise
+            # Also after an exit in time: whatever the part started and left running (a hung
+            # xdist worker, a test's child) must not run on beside the next parts.
+            _stop_group(proc)
         self.seconds = time.monotonic() - start
         if code is None:
             self.status = f"TIMED OUT after {self.limit_s:.0f} s (stopped)"
@@ -117,16 +128,30 @@ class Part:
         return self.status == "passed"
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGHUP reached the check (the machine's own time limit, say)."""
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
 def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the part's whole process group, then SIGKILL to whatever of it is left after
-    GRACE_S (the part's first process may be gone while its children still run: xdist workers)."""
-    os.killpg(proc.pid, signal.SIGTERM)
+    """SIGTERM to whatever is left of the part's whole process group, then SIGKILL to what is
+    still there after GRACE_S (the part's first process may be gone while its children still
+    run: xdist workers)."""
+    if not _group_alive(proc):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline and _group_alive(proc):
         time.sleep(0.1)
     if _group_alive(proc):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):  # one stuck in the driver: do not wait on it
+        proc.wait(timeout=GRACE_S)
 
 
 def _group_alive(proc: subprocess.Popen) -> bool:
@@ -254,13 +279,28 @@ def main(argv: list[str] | None = None) -> int:
         ),
         Part("bench", bench, args.bench_limit, work / "bench.log"),
     ]
-    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    for part in parts:
-        print(f"gpu-check: {part.name} (limit {part.limit_s:.0f} s) ...", flush=True)
-        part.run()
-        print(f"gpu-check: {part.name}: {part.status}, {part.seconds:.0f} s", flush=True)
-        # After every part, so that the files are there even if the machine is taken back early.
-        summary = write_outputs(out, parts, started, args.dry_run)
+    return run_parts(out, parts, time.strftime("%Y-%m-%d %H:%M:%S %Z"), args.dry_run)
+
+
+def run_parts(out: Path, parts: list[Part], started: str, dry_run: bool) -> int:
+    """Runs the parts in order, writing the output files after each. SIGTERM or SIGHUP (the
+    machine's own limit; the parts, in sessions of their own, do not get it) stops the running
+    part's whole group, and the files then say which part was stopped."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop)
+    try:
+        for part in parts:
+            print(f"gpu-check: {part.name} (limit {part.limit_s:.0f} s) ...", flush=True)
+            part.run()
+            print(f"gpu-check: {part.name}: {part.status}, {part.seconds:.0f} s", flush=True)
+            # After every part, so that the files are there even if the machine is taken back early.
+            summary = write_outputs(out, parts, started, dry_run)
+    except Stopped as why:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)  # the files first
+        write_outputs(out, parts, started, dry_run)
+        print(f"gpu-check: stopped from outside ({why}); files in {out}", flush=True)
+        return 1
     print(summary)
     print(f"gpu-check: files in {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     return 0 if all(p.status == "passed" for p in parts) else 1

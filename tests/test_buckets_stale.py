@@ -797,3 +797,62 @@ def test_the_watch_holds_no_buckets_and_refresh_lets_replaced_parameters_go():
     gc.collect()
     assert old() is None
     assert any(p is ours.fc2.weight for p in buckets.params)
+
+
+def _replace_submodule(model, how: str) -> None:
+    """``fc2`` replaced by a new module (a fine-tuning head): its parameters leave the model."""
+    torch.manual_seed(11)
+    new = nn.Linear(24, 5)
+    if how == "setattr":
+        model.fc2 = new
+    else:
+        model.register_module("fc2", new)
+
+
+@pytest.mark.parametrize("how", ["setattr", "register_module"])
+@pytest.mark.parametrize("built_from", ["params", "module"])
+def test_a_replaced_submodule_raises_until_refresh_then_gives_torchs_answer(how, built_from):
+    """A submodule replaced after the buckets were built (``model.fc2 = nn.Linear(...)``) takes
+    its parameters out of the model as surely as ``model.fc2.weight = nn.Parameter(...)``, but
+    torch registers no parameter over theirs. Before the fix the buckets' norm was over the old
+    head (7.9 where torch gives 14.1) and the new head's gradients went unclipped; now the
+    methods raise naming ``refresh()``, which then plans the model's parameters."""
+    ours, theirs = pair()
+    buckets = gradfuse.GradBuckets(ours if built_from == "module" else ours.parameters())
+    x = inputs()
+    backward(ours, x)
+    _replace_submodule(ours, how)
+    _replace_submodule(theirs, how)
+    for model in (ours, theirs):
+        model.zero_grad(set_to_none=True)
+        backward(model, x, scale=50.0)
+    assert_grads_equal(ours, theirs)
+    message = r"replaced in its module \(Net\.fc2\.weight: .* Call buckets\.refresh\(\)"
+    for call in (lambda: buckets.clip_grad_norm_(0.1), buckets.get_total_norm, buckets.zero_grad):
+        with pytest.raises(RuntimeError, match=message):
+            call()
+    buckets.refresh()
+    assert {id(p) for p in buckets.params} == {id(p) for p in ours.parameters()}
+    assert all_in_buckets(buckets, ours)
+    total = buckets.clip_grad_norm_(0.1)
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1)
+    assert want.item() > 0.1
+    torch.testing.assert_close(total, want, rtol=RTOL, atol=0)
+    assert_grads_equal(ours, theirs, exact=False)
+
+
+def test_a_submodule_wrapped_or_removed():
+    """Wrapping a submodule (``model.fc2 = Wrapper(model.fc2)``, as activation checkpointing
+    does) keeps its parameters in the model: nothing is replaced. Setting one to ``None``
+    takes its parameters out: the methods raise until ``refresh()``, which drops them."""
+    ours, _ = pair()
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    ours.fc1 = nn.Sequential(ours.fc1)
+    backward(ours, inputs())
+    assert close(buckets.get_total_norm().item(), ref_norm(ours), REF_RTOL)
+    ours.side = None
+    with pytest.raises(RuntimeError, match=r"replaced in its module \(Net\.side\.weight: "):
+        buckets.get_total_norm()
+    buckets.refresh()
+    assert {id(p) for p in buckets.params} == {id(p) for p in ours.parameters()}
+    assert close(buckets.get_total_norm().item(), ref_norm(ours), REF_RTOL)

@@ -22,6 +22,7 @@ SCENARIOS = [
     "randomized_edits_against_torch",
     "handover_is_right_when_fresh_and_raises_when_visibly_stale",
     "trainer_step_reads_no_gradient_after_backward",
+    "an_empty_parameter_is_no_stale_handover",
 ]
 
 

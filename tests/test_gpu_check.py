@@ -97,3 +97,88 @@ def test_dry_run_leaves_a_summary_and_at_most_eight_files(tmp_path):
     assert "0 failed, 0 errors" in summary and "2 workloads, complete, 0 failed" in summary
     (records,) = out.glob("cpu_*.json")
     assert json.loads(records.read_text())["complete"] is True
+
+
+def _orphan_maker(pid_file, then: str) -> list[str]:
+    """A part whose first process starts a child that ignores SIGTERM and sleeps, then ``then``."""
+    code = (
+        "import subprocess, sys, time; "
+        "c = subprocess.Popen([sys.executable, '-c', "
+        "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid)); {then}"
+    )
+    return [sys.executable, "-c", code]
+
+
+def _gone(pid: int) -> bool:
+    for _ in range(50):  # reaped by init once killed
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_part_that_exits_leaves_none_of_its_processes_behind(tmp_path, monkeypatch):
+    """A part whose first process exits in time while something it started still runs (a hung
+    xdist worker, a test's child process): that leftover would run on beside the next parts
+    (the bench, whose timings and GPU memory it would share). Before the fix it was left
+    running; now the part's whole process group is stopped when the part ends."""
+    monkeypatch.setattr(gpu_check, "GRACE_S", 2)
+    pid_file = tmp_path / "child.pid"
+    part = gpu_check.Part("leaves", _orphan_maker(pid_file, "sys.exit(0)"), 30, tmp_path / "leaves.log")
+    start = time.monotonic()
+    assert part.run() and part.status == "passed"
+    assert time.monotonic() - start < 2 * 2 + 10
+    assert _gone(int(pid_file.read_text()))
+
+
+STOPPED_FROM_OUTSIDE = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+import gpu_check
+gpu_check.GRACE_S = 2
+work, out = Path({work!r}), Path({out!r})
+ok = [sys.executable, "-c", "print('fine')"]
+parts = [
+    gpu_check.Part("versions", ok, 30, work / "versions.log"),
+    gpu_check.Part("cuda tests", {hang!r}, 300, work / "parallel.log"),
+    gpu_check.Part("cuda tests (serial)", ok, 30, work / "serial.log"),
+    gpu_check.Part("bench", ok, 30, work / "bench.log"),
+]
+sys.exit(gpu_check.run_parts(out, parts, "now", dry_run=True))
+"""
+
+
+def test_a_check_stopped_from_outside_stops_its_part_and_leaves_a_summary(tmp_path):
+    """The machine's own time limit stops ``make gpu-check`` with SIGTERM while a part runs. The
+    parts run in sessions of their own (so that a part's limit can stop all of it), which that
+    signal does not reach. Before the fix the check died at once: the running part (and what it
+    started) ran on, and the summary still said that part was "not run". Now the check stops the
+    running part's whole group, writes the summary naming it, and exits."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    pid_file = tmp_path / "child.pid"
+    script = STOPPED_FROM_OUTSIDE.format(
+        tests=str(gpu_check.ROOT / "tests"),
+        work=str(work),
+        out=str(out),
+        hang=_orphan_maker(pid_file, "time.sleep(600)"),
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        for _ in range(300):
+            if (pid_file.exists() and pid_file.read_text()) or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, "the check ended before its part started"
+        child = int(pid_file.read_text())
+        proc.terminate()
+        assert proc.wait(timeout=30) != 0
+    finally:
+        proc.kill()
+    assert _gone(child)
+    summary = (out / "summary.txt").read_text()
+    assert "cuda tests: STOPPED from outside after" in summary, summary
+    assert "versions: passed" in summary and "bench: not run" in summary

@@ -440,3 +440,24 @@ def test_a_direct_step_after_scaler_step_of_a_fold_is_refused_until_the_next_bac
     opt.zero_grad()
     model(torch.randn(4, 8)).pow(2).mean().backward()
     opt.step()  # a plain step on fresh gradients: not refused
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd_fused", "adamw", "adamw_fused"])
+def test_a_disabled_scaler_needs_no_update_between_direct_steps(optimizer):
+    """Clipping without loss scaling, ``unscale_and_clip_`` + ``opt.step()`` every iteration and
+    no ``update()`` (a no-op on a disabled scaler, torch's and gradfuse's): every step as torch's
+    ``clip_grad_norm_`` + ``opt.step()``. Before the fix a plain optimizer's second iteration
+    raised "unscale_and_clip_() has already been called on this optimizer since the last
+    step()", although it had stepped (only a fused optimizer's step was seen)."""
+    pair = Pair("cpu", optimizer, enabled=False)
+    (t_opt, g_opt), (_, g_scaler) = pair.opts, pair.scalers
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        pair.backward(torch.randn(16, 8, generator=gen) * 4)
+        t_norm = torch.nn.utils.clip_grad_norm_(pair.models[0].parameters(), 0.5)
+        g_norm = g_scaler.unscale_and_clip_(g_opt, 0.5)
+        torch.testing.assert_close(g_norm, t_norm, rtol=RTOL, atol=0)
+        assert t_norm > 0.5  # the clip is active
+        t_opt.step()
+        g_opt.step()
+        pair.assert_same()

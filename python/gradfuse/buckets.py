@@ -23,14 +23,17 @@ communication hook (``gradfuse.register_ddp_hook``).
   parameter that got a gradient) they run over the real gradients, with torch's answer. The
   slots of parameters whose gradient is not in the buckets hold unspecified values.
 - A parameter replaced in its module after the plan (``module.weight = nn.Parameter(...)``,
-  ``register_parameter``, ``load_state_dict(..., assign=True)``) is a different tensor, whose
-  gradient the buckets never see: torch's global parameter-registration hook
-  (``register_module_parameter_registration_hook``, registered once, with the first
-  ``GradBuckets``) notes it at the moment of the replacement, at no cost per call, and the
+  ``register_parameter``, ``load_state_dict(..., assign=True)``, or its submodule replaced:
+  ``model.head = nn.Linear(...)``, ``register_module``, ``model.head = None``) is a different
+  tensor, or none, whose gradient the buckets never see: torch's global parameter- and
+  module-registration hooks (``register_module_parameter_registration_hook`` and
+  ``register_module_module_registration_hook``, registered once, with the first
+  ``GradBuckets``) note it at the moment of the replacement, at no cost per call, and the
   methods then raise, saying to call :meth:`GradBuckets.refresh`, which plans the parameters
   the model has now (the replacements, found through the module and name they were registered
-  under). A parameter set on a module by other means (``del`` then a new attribute, a
-  ``module._parameters`` write, ``model.to()`` under
+  under). A submodule wrapped by its replacement (``model.head = Wrapper(model.head)``) keeps
+  its parameters: nothing is replaced. A parameter set on a module by other means (``del`` or
+  ``= None`` then a new attribute, a ``module._parameters`` write, ``model.to()`` under
   ``torch.__future__.set_overwrite_module_params_on_conversion(True)``) is not seen: build
   the buckets again, or pass ``refresh(params)``.
 """
@@ -46,7 +49,10 @@ from itertools import repeat
 from operator import attrgetter
 
 import torch
-from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _plan as P
@@ -74,7 +80,8 @@ _LIVE: weakref.WeakValueDictionary[int, GradBuckets] = weakref.WeakValueDictiona
 # Which set holds each parameter, by the parameter's id (kept alive by that set).
 _OWNERS: weakref.WeakValueDictionary[int, GradBuckets] = weakref.WeakValueDictionary()
 
-#: torch's global parameter-registration hook (``_on_parameter_registered``), once registered.
+#: torch's global parameter- and module-registration hooks (``_on_parameter_registered``,
+#: ``_on_module_registered``), once registered.
 _WATCHING = None
 
 _grad = attrgetter("grad")
@@ -87,10 +94,14 @@ def _describe(i: int, p: Tensor) -> str:
 
 
 def _watch_replacements() -> None:
-    """Registers :func:`_on_parameter_registered` with torch, once (the first GradBuckets)."""
+    """Registers :func:`_on_parameter_registered` and :func:`_on_module_registered` with
+    torch, once (the first GradBuckets)."""
     global _WATCHING
     if _WATCHING is None:
-        _WATCHING = register_module_parameter_registration_hook(_on_parameter_registered)
+        _WATCHING = (
+            register_module_parameter_registration_hook(_on_parameter_registered),
+            register_module_module_registration_hook(_on_module_registered),
+        )
 
 
 def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
@@ -103,6 +114,32 @@ def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
     owner = _OWNERS.get(id(old))
     if owner is not None:
         owner._note_replaced(old, module, name)
+
+
+def _on_module_registered(module: torch.nn.Module, name: str, submodule) -> None:
+    """torch calls this whenever any module registers a submodule (``module.x = Module``,
+    ``add_module``/``register_module``, ``module.x = None``), before storing it: the
+    parameters of the submodule it replaces that the new one does not hold (a wrapper holds
+    them) have left the model, and are noted where a GradBuckets holds them."""
+    old = module._modules.get(name)
+    if old is None or old is submodule or not _OWNERS:
+        return
+    kept = set() if submodule is None else set(map(id, submodule.parameters()))
+    for path, p in old.named_parameters():
+        if id(p) not in kept:
+            owner = _OWNERS.get(id(p))
+            if owner is not None:
+                owner._note_replaced(p, module, f"{name}.{path}")
+
+
+def _parameter_at(module: torch.nn.Module, name: str) -> Tensor | None:
+    """The parameter ``module`` holds under the dotted ``name`` now, or None."""
+    *path, leaf = name.split(".")
+    for part in path:
+        module = module._modules.get(part)
+        if module is None:
+            return None
+    return module._parameters.get(leaf)
 
 
 def _check_params(params, owner: GradBuckets | None = None) -> list[Tensor]:
@@ -416,14 +453,15 @@ class GradBuckets:
             if i in self._replaced:
                 module, name = self._replaced[i]
                 module = module()
-                p = None if module is None else module._parameters.get(name)
+                p = None if module is None else _parameter_at(module, name)
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 given.append(p)
         return given
 
     def _note_replaced(self, old: Tensor, module: torch.nn.Module, name: str) -> None:
-        """``module`` registers a new parameter under ``name``, replacing ``old`` (ours)."""
+        """``module`` registers a new parameter (or submodule) at the dotted ``name``, replacing
+        ``old`` (ours)."""
         i = self._given_at.get(id(old))
         if i is not None:
             self._replaced[i] = (weakref.ref(module), name)
@@ -435,10 +473,10 @@ class GradBuckets:
             where = f"{type(module).__name__}.{name}" if module is not None else name
             more = f" (and {len(self._replaced) - 1} more)" if len(self._replaced) > 1 else ""
             raise RuntimeError(
-                f"GradBuckets: {_describe(i, self._given[i])}{more} was replaced in its module by a new parameter "
-                f"({where} = nn.Parameter(...), or load_state_dict(..., assign=True)) after the buckets were planned; "
-                "the new parameter's gradient never reaches them. Call buckets.refresh() to plan the parameters "
-                "the model has now (an optimizer built before holds the old ones too)"
+                f"GradBuckets: {_describe(i, self._given[i])}{more} was replaced in its module ({where}: a new "
+                "nn.Parameter, a new submodule, or load_state_dict(..., assign=True)) after the buckets were "
+                "planned; the new parameter's gradient never reaches them. Call buckets.refresh() to plan the "
+                "parameters the model has now (an optimizer built before holds the old ones too)"
             )
 
     @property

@@ -46,6 +46,7 @@ changes where a pass runs, not what it computes.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -195,6 +196,7 @@ class DDPHookState:
             return
         buffers = [self._buffers[b] for b in range(n)]
         spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers]
+        empty = False
         for p in self._params:
             g = p.grad
             if g is None or g.layout != torch.strided:
@@ -202,6 +204,15 @@ class DDPHookState:
             address = g.data_ptr()  # a bucket view's first element lies inside its bucket
             if any(start <= address < end for start, end in spans):
                 self._grads[id(g)] = (weakref.ref(g), address)
+            elif not g.numel():
+                # An empty gradient has no element in any bucket (its address says nothing) and
+                # changes no norm of positive order, nor the count of order 0: it is covered.
+                self._grads[id(g)] = (weakref.ref(g), address)
+                empty = True
+        if empty and self.norm_type == math.inf:
+            self._why = "a gradient is empty, and torch refuses the inf-norm of an empty tensor"
+            self._grads.clear()
+            return
         if self.norm_type >= 0 and not self._gradless_slots_are_zero(buffers):
             self._why = (
                 "a parameter unused on every rank has no gradient here but a non-zero slot (another "
@@ -254,8 +265,9 @@ class DDPHookState:
         backward left them (a 0-d fp32 tensor, fp64 for fp64 gradients, on the gradients'
         device; no host sync): what the gradients were then, whatever touched them since.
         Raises ``RuntimeError`` if that backward did not complete or left no measurement (a
-        sparse bucket; a negative order with parameters left without a gradient; another rank's
-        stale gradient in the slot of a parameter unused everywhere)."""
+        sparse bucket; a negative order with parameters left without a gradient, or the inf or a
+        negative order with an empty gradient, which torch refuses; another rank's stale
+        gradient in the slot of a parameter unused everywhere)."""
         self._check_sealed()
         return self._total
 

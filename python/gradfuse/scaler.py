@@ -605,7 +605,11 @@ class GradScaler(torch.amp.GradScaler):
                 )
             if stage is OptState.STEPPED:
                 raise RuntimeError("unscale_and_clip_() is being called after step().")
-        elif (unscaled := self._unscaled.get(id(optimizer))) is not None and not unscaled.stepped:
+        elif (unscaled := self._unscaled.get(id(optimizer))) is not None and unscaled.pending:
+            # Disabled: only a folded clip no step has taken yet is refused (a second fold would
+            # replace it). A clip done in place needs no step to be complete, and a direct
+            # optimizer.step() after it cannot be seen: as torch's disabled scaler, no update()
+            # is needed between iterations.
             raise RuntimeError("unscale_and_clip_() has already been called on this optimizer since the last step().")
 
     def _record(self, optimizer, found_per_device: dict, grad_scale: Tensor | None) -> None:
