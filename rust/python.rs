@@ -366,6 +366,43 @@ fn set_probes(
     Ok(true)
 }
 
+/// The gradients of `params` that are not None, in order, read through torch's `grad` getter in
+/// one pass; None when the probes are not set, some parameter or gradient is not a plain tensor,
+/// or a getter raises (the caller then reads them in Python, which raises as torch does).
+#[pyfunction]
+fn grads_of<'py>(py: Python<'py>, params: &Bound<'py, PyList>) -> PyResult<Option<Bound<'py, PyList>>> {
+    let Some(probes) = PROBES.get(py) else { return Ok(None) };
+    let grads = PyList::empty(py);
+    for p in params.iter() {
+        // SAFETY: `p` is live (the list holds it), the GIL is held, and the getter is called on
+        // plain tensors only; the new reference is owned by the Bound made from it.
+        let grad = unsafe {
+            if !probes.is_plain(p.as_ptr()) {
+                return Ok(None);
+            }
+            let Some(grad) = probes.get(&probes.grad, p.as_ptr()) else { return Ok(None) };
+            Bound::from_owned_ptr(py, grad)
+        };
+        if grad.is_none() {
+            continue;
+        }
+        if !probes.is_plain(grad.as_ptr()) {
+            return Ok(None);
+        }
+        grads.append(grad)?;
+    }
+    Ok(Some(grads))
+}
+
+/// The process environment's `GRADFUSE_BACKEND` (None when unset or not UTF-8): what
+/// `os.environ.get` gives, which Python keeps in step with the process environment (`putenv` on
+/// every change), for ~0.1 us where `os.environ.get` of an unset name costs ~0.5 us (a KeyError
+/// raised and caught).
+#[pyfunction]
+fn backend_env() -> Option<String> {
+    std::env::var("GRADFUSE_BACKEND").ok()
+}
+
 /// Whether `params[i].grad is grads[i]` for every `i` (the lists of equal length), read through
 /// torch's `grad` getter in one pass; None when the probes are not set. A parameter that is not a
 /// plain tensor, or whose getter raises, makes it False.
@@ -380,8 +417,7 @@ fn grads_are(py: Python<'_>, params: &Bound<'_, PyList>, grads: &Bound<'_, PyLis
         // plain tensors only; the new reference is released.
         let same = unsafe {
             let ptr = p.as_ptr();
-            let ty = ffi::Py_TYPE(ptr) as *mut ffi::PyObject;
-            if !probes.plain.iter().any(|t| t.as_ptr() == ty) {
+            if !probes.is_plain(ptr) {
                 return Some(false);
             }
             let Some(grad) = probes.get(&probes.grad, ptr) else { return Some(false) };
@@ -409,8 +445,7 @@ fn addrs_are(py: Python<'_>, tensors: &Bound<'_, PyList>, addrs: Vec<usize>) -> 
         // SAFETY: as in `grads_are`.
         let same = unsafe {
             let ptr = t.as_ptr();
-            let ty = ffi::Py_TYPE(ptr) as *mut ffi::PyObject;
-            if !probes.plain.iter().any(|p| p.as_ptr() == ty) {
+            if !probes.is_plain(ptr) {
                 return Some(false);
             }
             let Some(addr) = probes.call(&probes.data_ptr, ptr) else { return Some(false) };
@@ -430,6 +465,13 @@ fn addrs_are(py: Python<'_>, tensors: &Bound<'_, PyList>, addrs: Vec<usize>) -> 
 }
 
 impl Probes {
+    /// Whether `t`'s type is exactly one of the plain tensor types (`torch.Tensor`, `nn.Parameter`).
+    fn is_plain(&self, t: *mut ffi::PyObject) -> bool {
+        // SAFETY: `t` is a live object (every caller holds it) and the GIL is held.
+        let ty = unsafe { ffi::Py_TYPE(t) } as *mut ffi::PyObject;
+        self.plain.iter().any(|p| p.as_ptr() == ty)
+    }
+
     /// Calls a getter: a new reference, or None with the error cleared.
     unsafe fn get(&self, g: &Getter, t: *mut ffi::PyObject) -> Option<*mut ffi::PyObject> {
         // SAFETY: the caller's: `t` is a live torch tensor of a plain type, the GIL is held.
@@ -468,8 +510,7 @@ impl Probes {
         // SAFETY: the getters and methods are called on exact torch.Tensor/nn.Parameter objects
         // only, as Python's attribute lookup would call them; every new reference is released.
         unsafe {
-            let ty = ffi::Py_TYPE(t) as *mut ffi::PyObject;
-            if !self.plain.iter().any(|p| p.as_ptr() == ty) {
+            if !self.is_plain(t) {
                 return None;
             }
             let dtype = self.get(&self.dtype, t)?;
@@ -675,6 +716,9 @@ fn scale_units_(
 fn scale_(py: Python<'_>, tensors: &Bound<'_, TensorList>, scale: f64) -> PyResult<()> {
     let tl = tensors.get();
     let views = tl.slices_mut(None)?;
+    if scale == 1.0 {
+        return Ok(()); // x * 1 is x: nothing to write, and no thread to hand the GIL to
+    }
     py.detach(|| elementwise::scale(views, scale));
     Ok(())
 }
@@ -804,6 +848,8 @@ fn on_openmp() -> bool {
 fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TensorList>()?;
     m.add_function(wrap_pyfunction!(set_probes, m)?)?;
+    m.add_function(wrap_pyfunction!(grads_of, m)?)?;
+    m.add_function(wrap_pyfunction!(backend_env, m)?)?;
     m.add_function(wrap_pyfunction!(grads_are, m)?)?;
     m.add_function(wrap_pyfunction!(addrs_are, m)?)?;
     m.add_function(wrap_pyfunction!(norm, m)?)?;

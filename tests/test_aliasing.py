@@ -154,7 +154,7 @@ def test_several_devices_modify_nothing_before_handing_to_torch(monkeypatch, cal
     call goes to torch (else the first device's gradients would be clipped twice). Two CPU
     devices ("cpu" and "cpu:0") stand in for two devices, so the per-device path runs here."""
 
-    def two_devices(tensors, one_device):
+    def two_devices(tensors, one_device, plain=False):
         half = len(tensors) // 2
         return {torch.device("cpu"): tensors[:half], torch.device("cpu", 0): tensors[half:]}
 

@@ -413,3 +413,104 @@ def test_lists_of_one_kind_keep_scratch_buffers_of_their_own(backend):
         counters[0] = 0
     want, _ = ref_norms(b, 2.0)
     assert close(got.item(), want, 2e-6)
+
+
+class _LoggedParameter(torch.nn.Parameter):
+    """A Parameter subclass whose ``grad`` reads are its own (a user's, or a tensor library's)."""
+
+    reads = 0
+
+    @property
+    def grad(self):
+        type(self).reads += 1
+        return torch.Tensor.grad.__get__(self)
+
+    @grad.setter
+    def grad(self, value):
+        torch.Tensor.grad.__set__(self, value)
+
+
+def test_gradients_are_read_in_one_pass_as_python_reads_them():
+    """``_plan.grads_of`` (one Rust pass through torch's getter) gives the very gradient objects a
+    Python loop gives, Nones skipped, in order; it answers None (the caller reads them in Python)
+    for anything it cannot read as Python would: a Parameter subclass with a ``grad`` of its own,
+    a gradient that is a tensor subclass, a getter that raises. The drop-in then still gives
+    torch's answer, through the subclass's own ``grad``."""
+    if not _plan.probes():
+        pytest.skip("the probes are not set on this Python/torch: the C-level maps are used")
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 5, 2, 4)] + [torch.zeros(6, requires_grad=True)]
+    for i, p in enumerate(params):
+        if i != 2:
+            p.grad = torch.randn(p.shape, generator=gen)
+    got = _plan.grads_of(params)
+    want = [p.grad for p in params if p.grad is not None]
+    assert len(got) == len(want) == 4 and all(a is b for a, b in zip(got, want, strict=True))
+    assert _plan.grads_of([]) == []
+
+    logged = _LoggedParameter(torch.zeros(4))
+    logged.grad = torch.randn(4, generator=gen)
+    assert _plan.grads_of([*params, logged]) is None
+
+    class Sub(torch.Tensor):
+        pass
+
+    odd = torch.nn.Parameter(torch.zeros(4))
+    odd.grad = torch.randn(4, generator=gen).as_subclass(Sub)
+    assert _plan.grads_of([*params, odd]) is None
+
+    # The drop-in over the subclass parameter: its own getter is used, and torch's answer given.
+    ours = [copy.deepcopy(p) for p in params] + [logged]
+    theirs = [copy.deepcopy(p) for p in params] + [copy.deepcopy(logged)]
+    for a, b in zip(ours, theirs, strict=True):
+        if a.grad is not None:
+            b.grad = a.grad.clone()
+    before = _LoggedParameter.reads
+    total = gradfuse.clip_grad_norm_(ours, 0.5)
+    assert _LoggedParameter.reads > before
+    want_total = TORCH_CLIP(theirs, 0.5)
+    assert close(total.item(), want_total.item(), 2e-6)
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a.grad is None) == (b.grad is None)
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=2e-6, atol=1e-7)
+
+
+def test_a_non_leaf_grad_read_warns_once_as_torch_does():
+    """torch warns when ``.grad`` of a non-leaf tensor is read; the one-pass read calls the same
+    getter, so the warning is the same, once per read; made an error, it reaches the caller."""
+    if not _plan.probes():
+        pytest.skip("the probes are not set on this Python/torch")
+    leaf = torch.zeros(3, requires_grad=True)
+    non_leaf = leaf * 2
+    with pytest.warns(UserWarning, match="not a leaf") as record:
+        assert _plan.grads_of([non_leaf]) == []
+    assert len([w for w in record if "leaf" in str(w.message)]) == 1
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="not a leaf"):
+            gradfuse.clip_grad_norm_([non_leaf], 1.0)
+
+
+def test_the_hot_paths_grad_mode_switch_restores_the_mode_it_found():
+    """``ops.no_grad`` (the drop-ins' cheaper ``torch.no_grad``): grad mode off inside, the mode
+    it found back after, also after an exception and when nested."""
+    from gradfuse import ops
+
+    for start in (True, False):
+        torch.set_grad_enabled(start)
+        try:
+            with ops.no_grad():
+                assert not torch.is_grad_enabled()
+                with ops.no_grad():
+                    assert not torch.is_grad_enabled()
+                assert not torch.is_grad_enabled()
+            assert torch.is_grad_enabled() is start
+            with pytest.raises(KeyError):
+                with ops.no_grad():
+                    raise KeyError("x")
+            assert torch.is_grad_enabled() is start
+        finally:
+            torch.set_grad_enabled(True)

@@ -382,6 +382,14 @@ def probes() -> bool:
     return _PROBES
 
 
+def grads_of(params: list) -> list[Tensor] | None:
+    """The gradients of ``params`` (a list) that are not None, in order, each a plain tensor
+    (``torch.Tensor``/``nn.Parameter``): one Rust pass through torch's ``grad`` getter. None
+    where that pass cannot answer (no probes, a subclass among the parameters or gradients, a
+    getter that raises): the caller then reads them itself, as torch would."""
+    return _rust().grads_of(params) if probes() else None
+
+
 def grads_are(params: list, grads: list) -> bool:
     """Whether ``params[i].grad is grads[i]`` for every ``i``: one Rust pass through torch's
     getter, or C-level maps."""

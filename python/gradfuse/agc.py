@@ -88,7 +88,7 @@ def _agc(parameters, clip_factor, eps, norm_type, inv_scale: Tensor | None):
     if not params:
         return torch.tensor(0.0), {}
     if D.is_dtensor(grads[0]):  # FSDP2: from the local shards
-        with torch.no_grad():
+        with ops.no_grad():
             return _agc_sharded(params, clip_factor, eps, norm_type, inv_scale)
     if len(set(map(_device, grads))) == 1:
         by_device = {grads[0].device: (params, grads)}
@@ -99,7 +99,7 @@ def _agc(parameters, clip_factor, eps, norm_type, inv_scale: Tensor | None):
             ps.append(p)
             gs.append(g)
     totals, found = [], {}
-    with torch.no_grad():
+    with ops.no_grad():
         for device, (weights, grads) in by_device.items():
             # The parameters themselves are the weights: the kernels read their memory (a
             # detached view per parameter would cost a tensor each).

@@ -325,7 +325,7 @@ class GradBuckets:
         slot_views = [_slot(buffers[b], offset, p) for (b, offset), p in zip(slots, params, strict=True)]
         views = [s.view(s.shape) for s in slot_views]
         ours = {id(v) for v in getattr(self, "_views", ())}
-        with torch.no_grad():
+        with ops.no_grad():
             for p, is_main, slot, view in zip(params, main, slot_views, views, strict=True):
                 grad = p.grad
                 old = getattr(p, "main_grad", None)
@@ -530,7 +530,7 @@ class GradBuckets:
                     f"but its main_grad was planned as {tuple(slot.shape)} on {slot.device}; call buckets.refresh() "
                     "after moving the model (or remove() the buckets and build new ones)"
                 )
-            with torch.no_grad():
+            with ops.no_grad():
                 if grad.layout == torch.strided:
                     accumulate_(slot, grad)
                 else:
@@ -555,7 +555,7 @@ class GradBuckets:
                     stacklevel=2,
                 )
             return
-        with torch.no_grad():
+        with ops.no_grad():
             slot.copy_(grad)
         if view.data_ptr() != self._ptrs[i]:
             view = self._set_view(i)
@@ -642,7 +642,7 @@ class GradBuckets:
         if self._buffers:
             torch._foreach_zero_(self._buffers)
         self._stepped = False
-        with torch.no_grad():
+        with ops.no_grad():
             for i, p in enumerate(self.params):
                 live = self._views[i].data_ptr() == self._ptrs[i]
                 if self._main[i]:
@@ -666,7 +666,7 @@ class GradBuckets:
         call it, with or without gradients)."""
         norm_type = P.check_norm_type("GradBuckets.get_total_norm", norm_type)
         self._check_not_replaced()
-        with torch.no_grad():
+        with ops.no_grad():
             if self._all_live():
                 # Zero gaps do not change a norm of positive order; they would change the count
                 # of non-zero tensors (0), a minimum (-inf) and negative orders.
@@ -699,7 +699,7 @@ class GradBuckets:
         max_norm = check_max_norm("GradBuckets.clip_grad_norm_", max_norm)
         norm_type = P.check_norm_type("GradBuckets.clip_grad_norm_", norm_type)
         self._check_not_replaced()
-        with torch.no_grad():
+        with ops.no_grad():
             if self._all_live():
                 if process_group is None and norm_type > 0 and self._buffers:
                     return ops.clip_grad_norm_op(self._buffers, max_norm, norm_type, error_if_nonfinite)

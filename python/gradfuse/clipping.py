@@ -112,7 +112,7 @@ def scale_grads_(grads: list[Tensor], coef: Tensor) -> None:
             ops.multi_tensor_scale_op(group, coef.to(device, non_blocking=True))
 
     if _run_fused(targets, run) is _TO_TORCH:
-        with torch.no_grad():
+        with ops.no_grad():
             locals_ = [g.to_local() if D.is_dtensor(g) else g for g in grads]
             torch._foreach_mul_(locals_, coef.to(locals_[0].device))
 

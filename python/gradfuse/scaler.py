@@ -126,10 +126,14 @@ def _refuse_a_second_step(optimizer: torch.optim.Optimizer) -> None:
     handle = optimizer.register_step_pre_hook(check)
 
 
-def _optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    """The gradients of the optimizer's parameters, None skipped (C-level maps, no loop per parameter)."""
-    params = chain.from_iterable(map(_params, optimizer.param_groups))
-    return list(filter(_not_none, map(_grad, params)))
+def _optimizer_grads(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], bool]:
+    """The gradients of the optimizer's parameters, None skipped, and whether they are known to be
+    plain tensors (one Rust pass, or C-level maps: no loop per parameter)."""
+    params = list(chain.from_iterable(map(_params, optimizer.param_groups)))
+    grads = P.grads_of(params)
+    if grads is not None:
+        return grads, True
+    return list(filter(_not_none, map(_grad, params))), False
 
 
 _params = itemgetter("params")
@@ -261,16 +265,16 @@ class GradScaler(torch.amp.GradScaler):
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         """Every unscale of torch's scaler comes through here: one fused pass per device."""
-        grads = _optimizer_grads(optimizer)
+        grads, plain = _optimizer_grads(optimizer)
         if not allow_fp16:
             _refuse_fp16(grads)
         hook = state_for(grads)
         if hook is not None:  # gradients a DDP with gradfuse's hook just reduced: its few buckets
-            grads = hook.buffers
-        groups = _fused_groups(grads, one_device=False) if grads else {}
+            grads, plain = hook.buffers, False
+        groups = _fused_groups(grads, one_device=False, plain=plain) if grads else {}
         if groups is not None:
             try:
-                with torch.no_grad():
+                with ops.no_grad():
                     _check_all(groups)
                     found = {}
                     for device, group in groups.items():
@@ -284,12 +288,12 @@ class GradScaler(torch.amp.GradScaler):
     def _check_inf_per_device(self, optimizer):
         """For an optimizer that unscales as it reads: only check, in a read-only pass."""
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        grads = _optimizer_grads(optimizer)
-        groups = _fused_groups(grads, one_device=False) if grads else {}
+        grads, plain = _optimizer_grads(optimizer)
+        groups = _fused_groups(grads, one_device=False, plain=plain) if grads else {}
         if groups is None:
             return super()._check_inf_per_device(optimizer)
         try:
-            with torch.no_grad():
+            with ops.no_grad():
                 _check_all(groups)
                 one = torch.ones((), dtype=torch.float32, device=scale.device)
                 found = {device: unscale_check_norm(g, one.to(device))[1] for device, g in groups.items()}
@@ -344,14 +348,14 @@ class GradScaler(torch.amp.GradScaler):
         max_norm = check_max_norm(op, max_norm)
         norm_type = P.check_norm_type(op, norm_type)
         self._check_ready(optimizer)
-        grads = _optimizer_grads(optimizer)
+        grads, plain = _optimizer_grads(optimizer)
         if self._enabled:
             _refuse_fp16(grads)
         hook = None if measured is None else handed_over(measured, grads, norm_type, op)
         if hook is not None:  # plain tensors on one device, measured during backward
             scale, inv_scale = self._scales(hook.total_norm().device, divisor)
             return self._clip_from_hook(optimizer, hook, scale, inv_scale, max_norm)
-        groups = _fused_groups(grads, one_device=False) if grads else None
+        groups = _fused_groups(grads, one_device=False, plain=plain) if grads else None
         if groups is None:
             if grads and D.is_dtensor(grads[0]):  # FSDP2, tensor parallel: their local shards
                 coef_of = functools.partial(clip_coef, max_norm=max_norm)
@@ -362,7 +366,7 @@ class GradScaler(torch.amp.GradScaler):
         first = next(iter(groups))
         scale, inv_scale = self._scales(first, divisor)
         try:
-            with torch.no_grad():
+            with ops.no_grad():
                 _check_all(groups)
                 folds = _folds(optimizer)
                 # max_norm=inf: the coefficient is 1 (clip_coef); the in-place op would apply torch's NaN.
@@ -406,7 +410,7 @@ class GradScaler(torch.amp.GradScaler):
         fused optimizer then divides by ``scale / clip_coef`` as it reads; otherwise one write
         pass over DDP's bucket buffers."""
         found = hook.found_inf().clone()  # torch's update() adds the other optimizers' flags into it
-        with torch.no_grad():
+        with ops.no_grad():
             # Order 0 counts the non-zero gradients: a count that no scale changes.
             total = hook.total_norm() * inv_scale if hook.norm_type != 0 else hook.total_norm().clone()
             coef = clip_coef(total, max_norm)
@@ -458,7 +462,7 @@ class GradScaler(torch.amp.GradScaler):
             return total
         if groups is not None and unscale_and_clip is not None:
             try:  # its own two passes, the unscale folded into the clip's write
-                with torch.no_grad():
+                with ops.no_grad():
                     _check_all(groups)
                     _, inv = self._scales(next(iter(groups)), divisor)
                     total, found = unscale_and_clip(params, inv)
@@ -477,7 +481,7 @@ class GradScaler(torch.amp.GradScaler):
         if measured is None:
             # Gradients gradfuse cannot run: unscale, then the policy.
             if divisor is not None:  # no fused pass to fold it into here: one more
-                with torch.no_grad():
+                with ops.no_grad():
                     for p in params:
                         p.grad.div_(torch.as_tensor(divisor, device=p.grad.device))
             if self._enabled:
@@ -487,7 +491,7 @@ class GradScaler(torch.amp.GradScaler):
             self._record(optimizer, {total.device: (~torch.isfinite(total)).float()}, None)
             return total
         total, found = measured
-        with torch.no_grad():
+        with ops.no_grad():
             coef = policy.clip_coef(total).to(first)
             grad_scale = None
             if _folds(optimizer):
@@ -505,7 +509,7 @@ class GradScaler(torch.amp.GradScaler):
         (``observe``, its ``observe_stats``; ``across``: the process groups the tensors are
         shards over, for it to combine its statistics over)."""
         norms, found = [], {}
-        with torch.no_grad():
+        with ops.no_grad():
             _check_all(groups)
             for device, group in groups.items():
                 if observe is None:
@@ -546,7 +550,7 @@ class GradScaler(torch.amp.GradScaler):
         mesh, by_dims = spec
         device = next(t for shards in by_dims.values() for t in shards).device
         scale, inv_scale = self._scales(device, divisor)
-        with torch.no_grad():
+        with ops.no_grad():
             # Every rank measures first and then joins the same all-reduces, whatever its shards.
             across = {dims: [mesh.get_group(d) for d in dims] for dims in by_dims}
             local = [
@@ -658,8 +662,8 @@ class GradScaler(torch.amp.GradScaler):
         if optimizer is None:
             return
         _withdraw(optimizer)
-        grads = [g.to_local() if D.is_dtensor(g) else g for g in _optimizer_grads(optimizer)]
-        with torch.no_grad():
+        grads = [g.to_local() if D.is_dtensor(g) else g for g in _optimizer_grads(optimizer)[0]]
+        with ops.no_grad():
             _scale_in_place(grads, unscaled.grad_scale.double().reciprocal().float())
 
     # --- step, update ---------------------------------------------------------------------
