@@ -75,7 +75,8 @@ def _grads_and_plain(parameters: list[Tensor]) -> tuple[list[Tensor], bool]:
     (``torch.Tensor``/``nn.Parameter``, the types gradfuse plans)."""
     if torch.compiler.is_compiling():
         return [p.grad for p in parameters if p.grad is not None], False  # dynamo cannot trace the walrus
-    # One Rust pass through torch's getter (~25 ns a parameter; a Python loop costs ~55).
+    # One Rust pass through torch's getter (~44 ns an nn.Parameter, where a Python loop costs ~54),
+    # which also vouches for the types: the caller skips its own pass over them (~11 ns a tensor).
     grads = P.grads_of(parameters)
     if grads is not None:
         return grads, True
