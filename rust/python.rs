@@ -20,7 +20,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyDict, PyList, PyTuple};
 use std::ffi::{c_void, CStr, CString};
 
 // The Python layer's exception types (defined in `gradfuse._plan`, so that `import gradfuse`
@@ -37,6 +37,10 @@ struct TensorList {
     /// Whether kernels may write these tensors; then they were checked pairwise disjoint
     /// when the list was made, before any kernel of the call runs.
     writable: bool,
+    /// The memory format each tensor is contiguous in (see [`set_probes`]: 0 torch's contiguous
+    /// format, 1 channels-last, 2 channels-last 3d; either way its elements fill exactly its
+    /// `numel` slots from its address), checked by [`TensorList::probe`]; None: all are 0.
+    formats: Option<Vec<u8>>,
 }
 
 #[pymethods]
@@ -44,8 +48,24 @@ impl TensorList {
     /// `codes` holds one dtype code per tensor, as bytes: read in place, where a list would
     /// cost a conversion per element (~40 us at 2000 tensors, measured).
     #[new]
-    #[pyo3(signature = (name, addrs, numels, codes, writable=false))]
-    fn new(name: String, addrs: Vec<usize>, numels: Vec<usize>, codes: &[u8], writable: bool) -> PyResult<Self> {
+    #[pyo3(signature = (name, addrs, numels, codes, writable=false, formats=None))]
+    fn new(
+        name: String,
+        addrs: Vec<usize>,
+        numels: Vec<usize>,
+        codes: &[u8],
+        writable: bool,
+        formats: Option<Vec<u8>>,
+    ) -> PyResult<Self> {
+        if let Some(f) = &formats {
+            if f.len() != addrs.len() || f.iter().any(|&k| k as usize > LAYOUTS) {
+                return Err(PyValueError::new_err(format!(
+                    "{name}: {} memory formats (each 0..={LAYOUTS}) for {} tensors",
+                    f.len(),
+                    addrs.len()
+                )));
+            }
+        }
         if addrs.len() != numels.len() || addrs.len() != codes.len() {
             return Err(PyValueError::new_err(format!(
                 "{name}: {} addresses, {} sizes and {} dtype codes",
@@ -62,7 +82,7 @@ impl TensorList {
             .map(|(i, ((&a, &n), &c))| RawTensor::new(i, a, n, c))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| to_py(e, &name, ""))?;
-        let list = TensorList { name, tensors, writable };
+        let list = TensorList { name, tensors, writable, formats };
         if writable {
             list.check_disjoint(None).map_err(|e| list.err(e))?;
         }
@@ -86,7 +106,8 @@ impl TensorList {
 
     /// Whether `tensors` (a list) are still what this list describes, in one pass through torch's
     /// own attribute getters (see [`set_probes`]): each a plain tensor (`torch.Tensor` or
-    /// `nn.Parameter`) with this list's dtype and size in bytes, contiguous, and with `writing`
+    /// `nn.Parameter`) with this list's dtype and size in bytes, contiguous in its memory format
+    /// (see `formats`), and with `writing`
     /// not an inference tensor. Returns None when one is not (or a probe raised: the caller plans
     /// the list anew, which names the problem), True when they are at this list's addresses too,
     /// else their addresses. Raises when the probes are not set.
@@ -96,10 +117,11 @@ impl TensorList {
             return Ok(py.None());
         }
         let mut addrs = Vec::with_capacity(self.tensors.len());
-        for (t, want) in tensors.iter().zip(&self.tensors) {
+        for (i, (t, want)) in tensors.iter().zip(&self.tensors).enumerate() {
+            let format = self.formats.as_ref().map_or(0, |f| f[i]);
             // SAFETY: `t` is a live object (the list holds it) and the GIL is held; `probe_one`
             // calls torch's getters only on exact `torch.Tensor`/`nn.Parameter` instances.
-            match unsafe { probes.probe_one(t.as_ptr(), want, writing) } {
+            match unsafe { probes.probe_one(t.as_ptr(), want, writing, format) } {
                 Some(addr) => addrs.push(addr),
                 None => return Ok(py.None()),
             }
@@ -125,7 +147,8 @@ impl TensorList {
             }
             tensors.push(moved);
         }
-        let list = TensorList { name: self.name.clone(), tensors, writable: self.writable };
+        let list =
+            TensorList { name: self.name.clone(), tensors, writable: self.writable, formats: self.formats.clone() };
         if list.writable && list.check_disjoint(None).is_err() {
             return None;
         }
@@ -258,6 +281,8 @@ struct Probes {
     grad: Getter,
     data_ptr: Method,
     is_contiguous: Method,
+    /// `is_contiguous`'s keyword arguments for memory formats 1..=LAYOUTS (`memory_format=...`).
+    layouts: Vec<Py<PyDict>>,
     /// torch's dtype objects of codes 0..=3, and the plain tensor types.
     dtypes: Vec<Py<PyAny>>,
     plain: Vec<Py<PyAny>>,
@@ -270,6 +295,10 @@ unsafe impl Send for Probes {}
 unsafe impl Sync for Probes {}
 
 static PROBES: PyOnceLock<Probes> = PyOnceLock::new();
+
+/// The memory formats other than torch's contiguous one that a kept list may hold (channels-last,
+/// channels-last 3d).
+const LAYOUTS: usize = 2;
 
 /// The getter behind `descr`, a getset descriptor named `name`; None if it is not one.
 fn getter_of(descr: &Bound<'_, PyAny>, name: &str) -> Option<Getter> {
@@ -333,8 +362,9 @@ fn method_of(descr: &Bound<'_, PyAny>, name: &str) -> Option<Method> {
 
 /// Sets the probes of [`TensorList::probe`], [`grads_are`] and [`addrs_are`]: `getters` are
 /// torch's getset descriptors `dtype`, `nbytes`, `_version` and `grad`, `methods` its method descriptors `data_ptr` and `is_contiguous` (as
-/// `torch.Tensor` resolves them), `dtypes` the dtype objects of codes 0..=3 and `plain` the tensor
-/// types probed. Returns False, setting nothing, when any descriptor is not what a probe can call
+/// `torch.Tensor` resolves them), `dtypes` the dtype objects of codes 0..=3, `plain` the tensor
+/// types probed and `layouts` the keyword arguments of `is_contiguous` for memory formats
+/// 1..=LAYOUTS (`{"memory_format": torch.channels_last}`, ...). Returns False, setting nothing, when any descriptor is not what a probe can call
 /// directly (a Python that lays descriptors out otherwise, a torch that defines them otherwise):
 /// the Python layer then probes with `map`.
 #[pyfunction]
@@ -344,9 +374,10 @@ fn set_probes(
     methods: Vec<Bound<'_, PyAny>>,
     dtypes: Vec<Py<PyAny>>,
     plain: Vec<Py<PyAny>>,
+    layouts: Vec<Py<PyDict>>,
 ) -> PyResult<bool> {
-    if getters.len() != 4 || methods.len() != 2 || dtypes.len() != 4 {
-        return Err(PyValueError::new_err("set_probes: 4 getters, 2 methods, 4 dtypes"));
+    if getters.len() != 4 || methods.len() != 2 || dtypes.len() != 4 || layouts.len() != LAYOUTS {
+        return Err(PyValueError::new_err(format!("set_probes: 4 getters, 2 methods, 4 dtypes, {LAYOUTS} layouts")));
     }
     let (Some(dtype), Some(nbytes), Some(version), Some(grad)) = (
         getter_of(&getters[0], "dtype"),
@@ -356,13 +387,14 @@ fn set_probes(
     ) else {
         return Ok(false);
     };
-    let (Some(data_ptr), Some(is_contiguous)) =
+    let (Some(data_ptr), Some(is_contiguous @ Method::Keywords(_))) =
         (method_of(&methods[0], "data_ptr"), method_of(&methods[1], "is_contiguous"))
     else {
-        return Ok(false);
+        return Ok(false); // is_contiguous takes memory_format: a torch whose does not is not probed
     };
     let empty = PyTuple::empty(py).unbind();
-    let _ = PROBES.set(py, Probes { dtype, nbytes, version, grad, data_ptr, is_contiguous, dtypes, plain, empty });
+    let probes = Probes { dtype, nbytes, version, grad, data_ptr, is_contiguous, layouts, dtypes, plain, empty };
+    let _ = PROBES.set(py, probes);
     Ok(true)
 }
 
@@ -491,6 +523,14 @@ impl Probes {
         Self::checked(r)
     }
 
+    /// Calls a method that takes keyword arguments with `kwargs` only: a new reference, or None
+    /// with the error cleared (None also for a method without keyword arguments).
+    unsafe fn call_kw(&self, m: &Method, t: *mut ffi::PyObject, kwargs: &Py<PyDict>) -> Option<*mut ffi::PyObject> {
+        let Method::Keywords(f) = m else { return None };
+        // SAFETY: as in `get`; the flags checked in `method_of` chose the signature.
+        Self::checked(unsafe { f(t, self.empty.as_ptr(), kwargs.as_ptr()) })
+    }
+
     fn checked(r: *mut ffi::PyObject) -> Option<*mut ffi::PyObject> {
         if r.is_null() {
             // SAFETY: the GIL is held (every caller is a pymethod).
@@ -502,11 +542,11 @@ impl Probes {
     }
 
     /// One tensor: its data address when it is what `want` describes (see
-    /// [`TensorList::probe`]), else None.
+    /// [`TensorList::probe`]; contiguous in memory format `format`), else None.
     ///
     /// # Safety
     /// `t` is a live object and the GIL is held.
-    unsafe fn probe_one(&self, t: *mut ffi::PyObject, want: &RawTensor, writing: bool) -> Option<usize> {
+    unsafe fn probe_one(&self, t: *mut ffi::PyObject, want: &RawTensor, writing: bool, format: u8) -> Option<usize> {
         // SAFETY: the getters and methods are called on exact torch.Tensor/nn.Parameter objects
         // only, as Python's attribute lookup would call them; every new reference is released.
         unsafe {
@@ -523,7 +563,10 @@ impl Probes {
                 ffi::PyErr_Clear();
                 return None;
             }
-            let contiguous = self.call(&self.is_contiguous, t)?;
+            let contiguous = match format {
+                0 => self.call(&self.is_contiguous, t)?,
+                k => self.call_kw(&self.is_contiguous, t, &self.layouts[k as usize - 1])?,
+            };
             let is_true = contiguous == ffi::Py_True();
             ffi::Py_DECREF(contiguous);
             if !is_true {

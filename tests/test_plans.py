@@ -514,3 +514,93 @@ def test_the_hot_paths_grad_mode_switch_restores_the_mode_it_found():
             assert torch.is_grad_enabled() is start
         finally:
             torch.set_grad_enabled(True)
+
+
+# --- channels-last tensors: kept plans of dense, non-contiguous memory --------------------------
+
+
+def _conv_net(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(5)
+    )
+    net(torch.randn(2, 3, 8, 8))
+    return net.to(memory_format=torch.channels_last)
+
+
+def test_channels_last_gradients_are_planned_once(backend, monkeypatch):
+    """A channels-last conv net's gradients (contiguous in channels-last, not in torch's default
+    format): the first call's plan is kept and confirmed (moved when backward makes them again),
+    not made anew at every call as a plan of non-contiguous tensors was; each call gives torch's
+    answer."""
+    ours, theirs = _conv_net(0), _conv_net(0)
+    built = _count_builds(monkeypatch)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x = torch.randn(4, 3, 8, 8, generator=gen).contiguous(memory_format=torch.channels_last)
+        for net in (ours, theirs):
+            net.zero_grad(set_to_none=True)
+            net(x).square().sum().backward()
+        assert any(p.grad.dim() == 4 and not p.grad.is_contiguous() for p in ours.parameters())
+        total = gradfuse.clip_grad_norm_(ours.parameters(), 0.5)
+        want = TORCH_CLIP(theirs.parameters(), 0.5)
+        assert close(total.item(), want.item(), 4e-6)
+        for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=4e-6, atol=1e-7)
+        if step == 0:
+            first = len(built)
+    assert len(built) == first == 1, built
+
+
+def test_a_channels_last_plan_serves_no_op_that_pairs_elements(backend):
+    """A kept plan of a channels-last tensor walks its memory as it lies, which is right for a
+    clip (each element alone) but not for ``accumulate_``, which pairs ``dst[i]`` with ``src[i]``
+    by index: a contiguous source with a channels-last destination must not reuse it."""
+    gen = torch.Generator().manual_seed(3)
+    dst = torch.randn(2, 3, 4, 5, generator=gen).contiguous(memory_format=torch.channels_last)
+    src = torch.randn(2, 3, 4, 5, generator=gen)
+    want = dst.double() * 0.25 + src.double()
+    gradfuse.multi_tensor_scale_([dst], 0.25)  # a kept plan of [dst], in channels-last
+    assert _plan.make_plan("t", "tensors", [dst], inplace=True).formats == b"\x01"
+    gradfuse.accumulate_([dst], [src])
+    torch.testing.assert_close(dst.double(), want, rtol=2e-6, atol=1e-6)
+
+
+def test_a_kept_channels_last_plan_is_not_taken_for_other_memory_at_the_same_address(backend):
+    """Under a kept channels-last plan, the gradient becomes, at the same address and with as many
+    elements, a view that skips memory (``set_`` onto a larger storage), or a transposed view that
+    is dense in no known format: each call still gives torch's answer."""
+    gen = torch.Generator().manual_seed(5)
+    shape = (2, 3, 4, 4)
+    store = torch.randn(4 * 96, generator=gen)
+    p = torch.nn.Parameter(torch.zeros(shape))
+    p.grad = torch.empty(shape).contiguous(memory_format=torch.channels_last)
+    p.grad.set_(store.untyped_storage(), 0, shape, p.grad.stride())
+    other = torch.nn.Parameter(torch.zeros(7))
+    other.grad = torch.randn(7, generator=gen)
+    params = [p, other]
+
+    def check(max_norm):
+        theirs = [copy.deepcopy(q) for q in params]
+        for a, b in zip(params, theirs, strict=True):
+            b.grad = a.grad.clone()
+        total = gradfuse.clip_grad_norm_(params, max_norm)
+        want = TORCH_CLIP(theirs, max_norm)
+        assert close(total.item(), want.item(), 4e-6)
+        for a, b in zip(params, theirs, strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=4e-6, atol=1e-7)
+
+    check(1e9)
+    check(1e9)  # the kept plan, confirmed
+    # Every other element of the same channels-last walk, from the same address: as many
+    # elements, and memory between them that is not the gradient's.
+    p.grad.set_(store.untyped_storage(), 0, shape, (96, 2, 24, 6))
+    before = store.clone()
+    check(0.5)
+    assert same_bits(store[1:192:2], before[1:192:2])  # the memory between: untouched
+    assert not same_bits(store[0:192:2], before[0:192:2])  # the gradient: clipped
+    # A permutation that is dense in no known memory format.
+    p.grad.set_(store.untyped_storage(), 0, shape, (1, 2, 6, 24))
+    before = store.clone()
+    check(0.25)
+    assert same_bits(store[96:], before[96:])

@@ -86,6 +86,7 @@ class Plan:
         "device",
         "dtypes",
         "empty",
+        "formats",
         "inference",
         "inplace",
         "memo",
@@ -116,6 +117,10 @@ class Plan:
         self.tensor_list = tensor_list
         #: Some tensor is an inference tensor, found outside inference mode (see :meth:`before_write`).
         self.inference = False
+        #: For kept plans of tensors not all contiguous: the memory format each is contiguous in,
+        #: as codes (see ``LAYOUTS``; the elements of each still fill its ``numel`` slots from its
+        #: address, so the kernels see it as any dense tensor); None when all are contiguous.
+        self.formats = None
         #: For one-call plans: the tensors the kernels touch, and the copies to write back.
         self.tensors = None
         self.writeback = []
@@ -149,7 +154,8 @@ class Plan:
         """The same plan for the same kind of tensors at other addresses (a new plan: the backends
         derive again what depends on addresses, from what ``memo`` holds)."""
         other = Plan.__new__(Plan)
-        for slot in ("name", "inplace", "device", "numels", "codes", "dtypes", "nbytes", "empty", "out_dtype"):
+        kept = ("name", "inplace", "device", "numels", "codes", "dtypes", "nbytes", "empty", "formats", "out_dtype")
+        for slot in kept:
             setattr(other, slot, getattr(self, slot))
         other.addrs, other.tensor_list = addrs, tensor_list
         other.inference, other.tensors, other.writeback, other.copied = False, None, [], False
@@ -305,7 +311,7 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
         if type(tensors[0]) in _PLAIN and type(tensors[-1]) in _PLAIN:
             key = (inplace, len(tensors), tensors[0].nbytes, tensors[-1].nbytes)
             kept = _PLANS.get(key)
-            plan = _confirm(kept, tensors, device) if kept else None
+            plan = _confirm(kept, tensors, device, dense_ok) if kept else None
             if plan is not None:
                 if plan is not kept[0]:
                     with _LOCK:  # the DDP hook plans on its own thread
@@ -322,9 +328,14 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
     return plan
 
 
-def _confirm(kept: list[Plan], tensors: list[Tensor], device) -> Plan | None:
+def _confirm(kept: list[Plan], tensors: list[Tensor], device, dense_ok: bool) -> Plan | None:
     """The kept plan (of one key) that describes ``tensors``, moved to their addresses if they
-    moved, or None."""
+    moved, or None. Plans of channels-last tensors serve calls that take dense tensors as they are
+    (``dense_ok``) only."""
+    if not dense_ok:
+        kept = [p for p in kept if p.formats is None]
+        if not kept:
+            return None
     writing = kept[0].inplace and not torch.is_inference_mode_enabled()
     if probes():
         # One pass of the Rust core through torch's own getters: None, True (the same
@@ -344,7 +355,7 @@ def _confirm(kept: list[Plan], tensors: list[Tensor], device) -> Plan | None:
             return None
         sizes = list(map(_nbytes, tensors))
         dtypes = list(map(_dtype, tensors))
-        kinds = [p for p in kept if p.nbytes == sizes and p.dtypes == dtypes]
+        kinds = [p for p in kept if p.nbytes == sizes and p.dtypes == dtypes and p.formats is None]
         if not kinds or not all(map(_is_contiguous, tensors)):
             return None
         plan = kinds[0]
@@ -414,6 +425,7 @@ def _set_probes() -> bool:
             [Tensor.data_ptr, Tensor.is_contiguous],
             list(DTYPE_CODES),
             [Tensor, torch.nn.Parameter],
+            [{"memory_format": layout} for layout in LAYOUTS[1:]],
         )
     except (AttributeError, TypeError, ValueError):
         return False
@@ -463,13 +475,16 @@ def _build(op: str, name: str, tensors: list[Tensor], inplace: bool, device, den
         check_layouts(op, name, tensors)
         raise
     originals = tensors
+    formats = None
     if not contiguous:
         check_layouts(op, name, tensors)
         tensors, writeback = _densify(op, name, tensors, inplace, dense_ok)
+        if tensors is originals and probes():
+            formats = _formats(tensors)  # all dense and used in place: kept if in known layouts
     addrs = list(map(Tensor.data_ptr, tensors))
     numels = list(map(Tensor.numel, tensors))
     try:
-        tensor_list = _rust().TensorList(name, addrs, numels, codes, inplace)
+        tensor_list = _rust().TensorList(name, addrs, numels, codes, inplace, formats)
     except (OverlapError, UnsupportedTensorError) as e:
         raise type(e)(f"{op}: {e}") from None
     plan = Plan(name, device, addrs, numels, codes, list(map(_dtype, tensors)), inplace, tensor_list)
@@ -478,9 +493,28 @@ def _build(op: str, name: str, tensors: list[Tensor], inplace: bool, device, den
             check_writable(originals)
         except RuntimeError:
             plan.inference = True
-    if not contiguous:
+    if formats is not None:
+        plan.formats = formats
+    elif not contiguous:
         plan.tensors, plan.writeback, plan.copied = tensors, writeback, tensors is not originals
     return plan
+
+
+#: The memory formats a kept plan's tensors may be contiguous in, by code (channels-last
+#: convolution weights and their gradients, the usual non-contiguous dense tensors).
+LAYOUTS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+def _formats(tensors: list[Tensor]) -> bytes | None:
+    """The code of the memory format each tensor is contiguous in (see ``LAYOUTS``), or None when
+    one is contiguous in none of them (a transpose, say: its plan is made for one call)."""
+    codes = bytearray()
+    for t in tensors:
+        code = next((c for c, layout in enumerate(LAYOUTS) if t.is_contiguous(memory_format=layout)), None)
+        if code is None:
+            return None
+        codes.append(code)
+    return bytes(codes)
 
 
 _PYTHON_KEY = torch._C.DispatchKey.Python
