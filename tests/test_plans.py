@@ -29,7 +29,7 @@ from reference import close, ref_norms, same_bits
 
 TORCH_CLIP = torch.nn.utils.clip_grad_norm_
 TORCH_CLIP_WITH_NORM = torch.nn.utils.clip_grads_with_norm_
-SHAPES = [(4, 6), (16,), (3, 5), (7,), (2, 8)]
+SHAPES = [(4, 6), (16,), (3, 5), (7,), (2, 8), (4, 3, 2, 2)]
 
 
 def rand_like(t: torch.Tensor, generator) -> torch.Tensor:
@@ -65,7 +65,9 @@ class World:
     def set_(self):
         if (p := self.pick()) is not None:
             g = p.grad
-            fresh = rand_like(g, self.gen)
+            # Memory for g's own strides (a strided view reaches past numel elements).
+            extent = sum((n - 1) * st for n, st in zip(g.shape, g.stride(), strict=True)) + 1 if g.numel() else 1
+            fresh = rand_like(torch.empty(extent, dtype=g.dtype), self.gen)
             g.set_(fresh.untyped_storage(), 0, g.shape, g.stride())
 
     def set_inside(self):
@@ -73,7 +75,9 @@ class World:
         if (p := self.pick()) is not None:
             g = p.grad
             big = rand_like(torch.empty(g.numel() + 13, dtype=g.dtype), self.gen)
-            g.set_(big.untyped_storage(), 5, g.shape)
+            # Strides stated: without them set_ keeps the tensor's own (a strided view's would
+            # reach past the buffer's end).
+            g.set_(big.untyped_storage(), 5, g.shape, torch.empty(g.shape, device="meta").stride())
 
     def data(self):
         if (p := self.pick()) is not None:
@@ -151,6 +155,26 @@ class World:
         if (p := self.pick()) is not None:
             p.grad.mul_(3.0)
 
+    def relayout(self):
+        """A 4-d gradient switched between channels-last and torch's contiguous format: in new
+        memory, or over its own (``set_`` with the other format's strides: the same address and
+        size, its elements now in another order)."""
+        p = self.pick()
+        if p is None or p.grad.dim() != 4:
+            return
+        g = p.grad
+        channels_last = g.is_contiguous(memory_format=torch.channels_last) and not g.is_contiguous()
+        layout = torch.contiguous_format if channels_last else torch.channels_last
+        if self.rng.random() < 0.5:
+            new = g.contiguous(memory_format=layout)
+            if g.dtype == p.dtype:
+                p.grad = new
+            else:  # after a .data = of another dtype: torch refuses such a gradient assigned
+                g.data = new
+        else:
+            strides = torch.empty(g.shape, device="meta").contiguous(memory_format=layout).stride()
+            g.set_(g.untyped_storage(), g.storage_offset(), g.shape, strides)
+
     # --- the calls ---------------------------------------------------------------------------
 
     def check_clip(self, max_norm: float):
@@ -226,6 +250,7 @@ CHANGES = [
     "non_contiguous",
     "transpose",
     "values",
+    "relayout",
 ]
 
 
