@@ -208,3 +208,78 @@ def test_scaler_with_agc_unscales_then_clips_unit_wise():
     scaler.update()
     assert all(torch.equal(x, p) for x, p in zip(before, a.parameters(), strict=True))
     assert scaler.get_scale() == scale / 2
+
+
+# --- channels-last weights: rows are blocks of memory, used in place --------------------------
+
+
+def _channels_last_model():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 6, 3),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(6, 5, 3),
+        torch.nn.Flatten(),
+        torch.nn.Linear(5 * 3 * 3, 4),
+    )
+    return net.to(memory_format=torch.channels_last)
+
+
+def test_agc_on_channels_last_weights_matches_timm_and_plans_once(backend, monkeypatch):
+    """A channels-last conv net (weights and gradients contiguous in channels-last only): each
+    output channel's row is one block of memory there, so AGC's unit passes use the tensors in
+    place and keep their plans (no copy, no plan made again at later calls); the result is timm's
+    and the float64 rule's, call after call."""
+    from gradfuse import _plan
+
+    ours, theirs = with_grads(_channels_last_model()), with_grads(_channels_last_model())
+    for net in (ours, theirs):
+        for p in net.parameters():
+            if p.dim() == 4:
+                p.grad = p.grad.contiguous(memory_format=torch.channels_last)
+    assert any(p.dim() == 4 and not p.is_contiguous() and not p.grad.is_contiguous() for p in ours.parameters())
+    _plan.clear_plans()  # what earlier tests left (lists of these shapes would only be moved)
+    real, built = _plan._build, []
+
+    def counting(op, name, tensors, *args):
+        built.append(op)
+        return real(op, name, tensors, *args)
+
+    monkeypatch.setattr(_plan, "_build", counting)
+    for step in range(3):
+        want64 = reference_agc(list(ours.parameters()), 0.02, 1e-3)
+        adaptive_clip_grad_(ours.parameters(), 0.02, 1e-3)
+        timm_agc()(list(theirs.parameters()), 0.02, 1e-3)
+        for p, q, w in zip(ours.parameters(), theirs.parameters(), want64, strict=True):
+            torch.testing.assert_close(p.grad.double(), w, rtol=1e-5, atol=0)
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=0)
+            if p.dim() == 4:
+                assert p.grad.is_contiguous(memory_format=torch.channels_last)
+        if step == 0:
+            first = len(built)
+            assert first > 0
+        for net in (ours, theirs):  # new gradients, the same layout and addresses
+            for p in net.parameters():
+                p.grad.mul_(3.0)
+    assert len(built) == first, built
+
+
+@pytest.mark.parametrize("units_of", ["rows", "finer", "whole"])
+def test_unit_ops_on_a_channels_last_tensor_take_units_in_logical_order(backend, units_of):
+    """Units are groups of rows in logical (row-major) order. For a channels-last tensor, whole
+    rows are blocks of its memory (used in place); finer units (a row split in two) are not, and
+    the tensor is copied. The same tensor is planned with each kind in turn (a kept plan, then
+    units it does not fit): every call gives the float64 answer of the logical layout."""
+    gen = torch.Generator().manual_seed(11)
+    t = torch.randn(4, 6, 3, 3, generator=gen).contiguous(memory_format=torch.channels_last)
+    rows = {"rows": 4, "finer": 8, "whole": 1}
+    for kind in ("rows", units_of, "rows"):
+        u = rows[kind]
+        want = torch.linalg.vector_norm(t.double().reshape(u, -1), dim=1)
+        got = torch.ops.gradfuse.unit_norms([t], [u], 2.0)
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=0)
+        factors = torch.rand(u, generator=gen) + 0.5
+        expect = (t.double().reshape(u, -1) * factors.double()[:, None]).reshape(t.shape)
+        torch.ops.gradfuse.scale_units_([t], [u], factors)
+        torch.testing.assert_close(t.double(), expect, rtol=2e-6, atol=1e-7)
+        assert t.is_contiguous(memory_format=torch.channels_last)

@@ -89,6 +89,7 @@ class Plan:
         "formats",
         "inference",
         "inplace",
+        "laid_out",
         "memo",
         "name",
         "nbytes",
@@ -121,6 +122,9 @@ class Plan:
         #: as codes (see ``LAYOUTS``; the elements of each still fill its ``numel`` slots from its
         #: address, so the kernels see it as any dense tensor); None when all are contiguous.
         self.formats = None
+        #: Indices of the tensors used in place while not contiguous in torch's format (kept plans:
+        #: those of ``formats`` other than 0), for ops on rows to check (:func:`rows_fit`).
+        self.laid_out = []
         #: For one-call plans: the tensors the kernels touch, and the copies to write back.
         self.tensors = None
         self.writeback = []
@@ -154,8 +158,7 @@ class Plan:
         """The same plan for the same kind of tensors at other addresses (a new plan: the backends
         derive again what depends on addresses, from what ``memo`` holds)."""
         other = Plan.__new__(Plan)
-        kept = ("name", "inplace", "device", "numels", "codes", "dtypes", "nbytes", "empty", "formats", "out_dtype")
-        for slot in kept:
+        for slot in _KEPT_WHEN_MOVED:
             setattr(other, slot, getattr(self, slot))
         other.addrs, other.tensor_list = addrs, tensor_list
         other.inference, other.tensors, other.writeback, other.copied = False, None, [], False
@@ -165,6 +168,12 @@ class Plan:
         inherited.pop("moved_from", None)
         other.memo = {"moved_from": inherited}
         return other
+
+
+#: What a plan moved to other addresses keeps as it is.
+_KEPT_WHEN_MOVED = (
+    "name", "inplace", "device", "numels", "codes", "dtypes", "nbytes", "empty", "formats", "laid_out", "out_dtype"
+)  # fmt: skip
 
 
 def bump_versions(tensors: list[Tensor]) -> None:
@@ -293,7 +302,7 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
     inference mode: found here, raised by :meth:`Plan.before_write`). ``device``: the device
     the call is on (checked). ``dense_ok``: a non-contiguous tensor whose elements are still one
     dense block (a transpose, say) is used in place; element-wise ops that pair two lists pass
-    False, so both sides are walked in the same (row-major) order.
+    False, so both sides are walked in the same (row-major) order; ops on rows pass ``ROWS``.
 
     A kept plan is confirmed in one pass of C-level maps over the tensors: each is a plain tensor
     (``torch.Tensor``/``nn.Parameter``) with the plan's dtype and size in bytes, contiguous, and
@@ -495,9 +504,26 @@ def _build(op: str, name: str, tensors: list[Tensor], inplace: bool, device, den
             plan.inference = True
     if formats is not None:
         plan.formats = formats
+        plan.laid_out = [i for i, code in enumerate(formats) if code]
     elif not contiguous:
         plan.tensors, plan.writeback, plan.copied = tensors, writeback, tensors is not originals
+        if dense_ok == ROWS:
+            plan.laid_out = [i for i, t in enumerate(tensors) if t.numel() and not t.is_contiguous()]
     return plan
+
+
+#: ``dense_ok`` of the ops on units, groups of whole rows along dim 0 in logical order (AGC's): a
+#: tensor contiguous in a channels-last format is used in place (dim 0 is outermost there, so each
+#: row is one block of memory, its elements in another order), any other non-contiguous one copied;
+#: the op then checks with :func:`rows_fit` that its units are whole rows.
+ROWS = "rows"
+
+
+def rows_fit(plan: Plan, tensors: list[Tensor], units: list[int]) -> bool:
+    """Whether each unit of the tensors ``plan`` uses in place in a channels-last layout is whole
+    rows along dim 0 (``units[i]`` divides the first size, or the tensor is empty): only then is a
+    unit one block of its memory."""
+    return all(units[i] == 0 or tensors[i].shape[0] % units[i] == 0 for i in plan.laid_out)
 
 
 #: The memory formats a kept plan's tensors may be contiguous in, by code (channels-last
@@ -505,12 +531,17 @@ def _build(op: str, name: str, tensors: list[Tensor], inplace: bool, device, den
 LAYOUTS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
 
 
+def _format(t: Tensor) -> int | None:
+    """The code of the memory format ``t`` is contiguous in (see ``LAYOUTS``), or None."""
+    return next((code for code, layout in enumerate(LAYOUTS) if t.is_contiguous(memory_format=layout)), None)
+
+
 def _formats(tensors: list[Tensor]) -> bytes | None:
     """The code of the memory format each tensor is contiguous in (see ``LAYOUTS``), or None when
     one is contiguous in none of them (a transpose, say: its plan is made for one call)."""
     codes = bytearray()
     for t in tensors:
-        code = next((c for c, layout in enumerate(LAYOUTS) if t.is_contiguous(memory_format=layout)), None)
+        code = _format(t)
         if code is None:
             return None
         codes.append(code)
@@ -547,7 +578,11 @@ def _densify(op: str, name: str, tensors: list[Tensor], inplace: bool, dense_ok:
             continue
         if inplace and torch._debug_has_internal_overlap(t) == 1:
             raise InternalOverlapError(internal_overlap_message(op, name, i))
-        if not (dense_ok and is_dense(t)):
+        if dense_ok == ROWS:
+            in_place = _format(t) in (1, 2)  # channels-last: every row along dim 0 one block
+        else:
+            in_place = dense_ok and is_dense(t)
+        if not in_place:
             to_copy.append(i)
     if not to_copy:
         return tensors, []

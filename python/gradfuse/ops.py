@@ -538,9 +538,18 @@ def _check_units(op: str, tensors: list[Tensor], units: list[int]) -> None:
             raise ValueError(f"{op}: tensors[{i}] has {n} elements, which cannot be split into units={u} equal units")
 
 
+def _rows_plan(op: str, tensors: list[Tensor], units: list[int], inplace: bool) -> P.Plan:
+    """The plan of ``tensors`` for an op on units (groups of whole rows along dim 0, in logical
+    order): channels-last tensors used in place where each unit is whole rows, any other
+    non-contiguous tensor (a dense but permuted one too) copied."""
+    plan = P.make_plan(op, "tensors", tensors, inplace=inplace, dense_ok=P.ROWS)
+    if P.rows_fit(plan, tensors, units):
+        return plan
+    return P.make_plan(op, "tensors", tensors, inplace=inplace, dense_ok=False)
+
+
 def _units_run(tensors: list[Tensor], units: list[int], norm_type: float):
-    # Units are rows in logical (row-major) order: a dense but permuted tensor is copied.
-    plan = P.make_plan(_UNITS, "tensors", tensors, inplace=False, dense_ok=False)
+    plan = _rows_plan(_UNITS, tensors, units, inplace=False)
     # A unit of an empty tensor is empty: no identity for these orders (torch refuses them too).
     if math.isinf(norm_type) or norm_type < 0:
         P.check_empty_norm(
@@ -580,7 +589,7 @@ def _check_factors(factors: Tensor, units: list[int], device) -> None:
 def _uscale_run(tensors: list[Tensor], units: list[int], factors: Tensor) -> None:
     if not tensors:
         return
-    plan = P.make_plan(_USCALE, "tensors", tensors, inplace=True, dense_ok=False)
+    plan = _rows_plan(_USCALE, tensors, units, inplace=True)
     _check_factors(factors, units, plan.device)
     _backend(plan.device).scale_units_(plan, list(units), factors)
     plan.finish_inplace(tensors)
