@@ -4,13 +4,11 @@ reporting a fast wrong answer. Nothing here asserts speed; the bench only report
 import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
 from datetime import datetime
 
 import pytest
 import torch
+from bench_runs import run_bench
 
 import gradfuse
 from gradfuse.__main__ import main
@@ -65,18 +63,8 @@ REQUIRED = {
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    env = {k: v for k, v in os.environ.items() if k != "GRADFUSE_BACKEND"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradfuse", "bench", "--device", "cpu", "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=out,
-        env=env,
-    )
-    assert proc.returncode == 0, f"bench failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    (json_path,) = out.glob("*.json")
-    return proc, out, json.loads(json_path.read_text())
+    proc, doc = run_bench(out)
+    return proc, out, doc
 
 
 @pytest.mark.slow

@@ -4,12 +4,8 @@ slope, and (no GPU here) the Triton path's host work through a stand-in launcher
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from bench_runs import run_bench
 
 from gradfuse.bench.workloads import HOST_APIS, HOST_COUNTS, select
 
@@ -24,20 +20,8 @@ def test_the_host_family_is_run_on_request_only():
 def host_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-host")
     # Compiled Triton (not the interpreter the test session uses): the stand-in launcher's path.
-    env = {k: v for k, v in os.environ.items() if k not in ("GRADFUSE_BACKEND", "TRITON_INTERPRET")}
-    command = [sys.executable, "-m", "gradfuse", "bench", "--device", "cpu", "--quick", "--reps", "5"]
-    command += ["--workloads", "host_*_1", "host_*_148", "host_*_2000", "--out", str(out)]
-    proc = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=out,
-        env=env,
-    )
-    assert proc.returncode == 0, f"bench failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    (json_path,) = out.glob("*.json")
-    return proc, json.loads(json_path.read_text())
+    workloads = ["--workloads", "host_*_1", "host_*_148", "host_*_2000"]
+    return run_bench(out, "--reps", "5", *workloads, unset=("GRADFUSE_BACKEND", "TRITON_INTERPRET"), timeout=600)
 
 
 @pytest.mark.slow

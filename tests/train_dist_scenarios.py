@@ -405,18 +405,11 @@ def a_parameter_used_on_one_rank_only_gives_one_process_result(rank, world):
     cfg = settings(find_unused_parameters=True)
     rows = Trainer(net, torch.optim.AdamW(net.parameters(), lr=1e-2), mine, cfg, loss_fn=loss_fn).fit()
     ref = Sometimes()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    norms = []
-    for step in range(STEPS):
-        for group in opt.param_groups:
-            group["lr"] = 1e-2 * lr_factor(step, max_steps=STEPS, warmup_steps=1, schedule="cosine", min_lr_ratio=0.0)
-        opt.zero_grad()
-        for micro in range(ACCUM):
-            for r in range(world):
-                x, y = halves[r][step * ACCUM + micro]
-                (loss_fn(ref, (x, y, r == 0)) / world / ACCUM).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
-        opt.step()
+    # One process on every rank's micro-batch of each step (the mean over the ranks, as DDP's).
+    both = [[(x, y, r == 0) for r, (x, y) in enumerate(pair)] for pair in zip(*halves, strict=True)]
+    _, norms = reference_run(
+        ref, both, ACCUM, STEPS, loss_fn=lambda model, batch: sum(loss_fn(model, b) for b in batch) / world
+    )
     torch.testing.assert_close([r["grad_norm"] for r in rows], norms, rtol=1e-5, atol=0)
     for a, b in zip(net.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -407,21 +407,21 @@ def grads_of(params: list) -> list[Tensor] | None:
     (``torch.Tensor``/``nn.Parameter``): one Rust pass through torch's ``grad`` getter. None
     where that pass cannot answer (no probes, a subclass among the parameters or gradients, a
     getter that raises): the caller then reads them itself, as torch would."""
-    return _rust().grads_of(params) if probes() else None
+    return rust_core().grads_of(params) if probes() else None
 
 
 def grads_are(params: list, grads: list) -> bool:
     """Whether ``params[i].grad is grads[i]`` for every ``i``: one Rust pass through torch's
     getter, or C-level maps."""
     if probes():
-        return _rust().grads_are(params, grads)
+        return rust_core().grads_are(params, grads)
     return len(params) == len(grads) and all(map(is_, map(_grad, params), grads))
 
 
 def addrs_are(tensors: list, addrs: list[int]) -> bool:
     """Whether ``tensors[i].data_ptr() == addrs[i]`` for every ``i`` (one pass, as above)."""
     if probes():
-        return _rust().addrs_are(tensors, addrs)
+        return rust_core().addrs_are(tensors, addrs)
     return list(map(_data_ptr, tensors)) == addrs
 
 
@@ -429,7 +429,7 @@ def _set_probes() -> bool:
     """Hands the Rust core torch's attribute getters for :func:`_confirm` (False: a Python or
     torch where they cannot be called directly; the probes are then C-level maps)."""
     try:
-        return _rust().set_probes(
+        return rust_core().set_probes(
             [Tensor.dtype, Tensor.nbytes, Tensor._version, Tensor.grad],
             [Tensor.data_ptr, Tensor.is_contiguous],
             list(DTYPE_CODES),
@@ -493,7 +493,7 @@ def _build(op: str, name: str, tensors: list[Tensor], inplace: bool, device, den
     addrs = list(map(Tensor.data_ptr, tensors))
     numels = list(map(Tensor.numel, tensors))
     try:
-        tensor_list = _rust().TensorList(name, addrs, numels, codes, inplace, formats)
+        tensor_list = rust_core().TensorList(name, addrs, numels, codes, inplace, formats)
     except (OverlapError, UnsupportedTensorError) as e:
         raise type(e)(f"{op}: {e}") from None
     plan = Plan(name, device, addrs, numels, codes, list(map(_dtype, tensors)), inplace, tensor_list)
@@ -622,7 +622,7 @@ def check_disjoint(
         views.append(s)
         written.append(False)
         owners.append((src_name, i))
-    hit = _rust().find_strided_overlap(
+    hit = rust_core().find_strided_overlap(
         list(map(Tensor.data_ptr, views)),
         list(map(Tensor.element_size, views)),
         list(map(Tensor.size, views)),
@@ -674,7 +674,7 @@ def check_aligned(op: str, name: str, tensors: list[Tensor]) -> None:
 _RUST = []
 
 
-def _rust():
+def rust_core():
     """The Rust core, imported on first use and then kept (an import statement at every call
     costs ~1 us)."""
     if not _RUST:

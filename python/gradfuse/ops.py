@@ -22,10 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import (
-    _fork,  # noqa: F401  (registers the fork hook with the package, before any fork)
-    _rust,
-)
+from . import _fork  # noqa: F401  (registers the fork hook with the package, before any fork)
 from . import _plan as P
 
 Tensor = torch.Tensor
@@ -34,9 +31,9 @@ _LIB = torch.library.Library("gradfuse", "DEF")
 
 
 def _backend(device: torch.device):
-    # The environment as os.environ has it, read by the Rust core: os.environ.get of an unset
-    # name costs ~0.5 us a call (a KeyError raised and caught).
-    choice = _rust.backend_env()
+    # The environment as os.environ has it, read by the Rust core (loaded on first use, not by
+    # `import gradfuse`): os.environ.get of an unset name costs ~0.5 us (a KeyError raised and caught).
+    choice = P.rust_core().backend_env()
     if choice is None:  # the usual case, first
         return _triton() if device.type == "cuda" else _cpu()
     choice = choice.lower()
