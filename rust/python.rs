@@ -400,10 +400,17 @@ fn set_probes(
 
 /// The gradients of `params` that are not None, in order, read through torch's `grad` getter in
 /// one pass; None when the probes are not set, some parameter or gradient is not a plain tensor,
-/// or a getter raises (the caller then reads them in Python, which raises as torch does).
+/// or a getter raises (the caller then reads them in Python, which raises as torch does), and
+/// when some gradient's dtype is `without` (a torch dtype: the caller's Python path refuses it).
 #[pyfunction]
-fn grads_of<'py>(py: Python<'py>, params: &Bound<'py, PyList>) -> PyResult<Option<Bound<'py, PyList>>> {
+#[pyo3(signature = (params, without=None))]
+fn grads_of<'py>(
+    py: Python<'py>,
+    params: &Bound<'py, PyList>,
+    without: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Option<Bound<'py, PyList>>> {
     let Some(probes) = PROBES.get(py) else { return Ok(None) };
+    let without = without.map(|d| d.as_ptr());
     let grads = PyList::empty(py);
     for p in params.iter() {
         // SAFETY: `p` is live (the list holds it), the GIL is held, and the getter is called on
@@ -420,6 +427,18 @@ fn grads_of<'py>(py: Python<'py>, params: &Bound<'py, PyList>) -> PyResult<Optio
         }
         if !probes.is_plain(grad.as_ptr()) {
             return Ok(None);
+        }
+        if let Some(refused) = without {
+            // SAFETY: `grad` is a live plain tensor (checked above) and the GIL is held; the new
+            // reference is released.
+            let found = unsafe {
+                let Some(dtype) = probes.get(&probes.dtype, grad.as_ptr()) else { return Ok(None) };
+                ffi::Py_DECREF(dtype);
+                dtype == refused
+            };
+            if found {
+                return Ok(None);
+            }
         }
         grads.append(grad)?;
     }

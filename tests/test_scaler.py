@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gradfuse
-from reference import SPARSE_NORM_ERROR, TORCH_MEASURES_SPARSE
+from reference import SPARSE_NORM_ERROR, TORCH_MEASURES_SPARSE, params_of, same_bits
 
 RTOL = 1e-5
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -241,6 +241,79 @@ def test_fp16_gradients_are_refused_as_torch_refuses_them():
     scaler.scale(torch.ones(()))
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
         scaler.unscale_(opt)
+
+
+class _OwnParameter(torch.nn.Parameter):
+    """A parameter subclass: its gradients are read in Python, not by the Rust core's pass."""
+
+
+FP16_CALLS = {
+    "unscale_": lambda scaler, opt: scaler.unscale_(opt),
+    "unscale_and_clip_": lambda scaler, opt: scaler.unscale_and_clip_(opt, 0.1),
+    "step": lambda scaler, opt: scaler.step(opt),
+}
+
+
+@pytest.mark.parametrize("call", FP16_CALLS)
+@pytest.mark.parametrize("where", [0, 2])
+@pytest.mark.parametrize("kind", [torch.nn.Parameter, _OwnParameter], ids=["plain", "subclass"])
+def test_fp16_gradients_anywhere_are_refused_and_nothing_changes(call, where, kind):
+    """The refusal is read in the same pass as the gradients (plain parameters) or in a pass of
+    its own (others): either way torch's error, wherever the fp16 gradient sits, and no gradient,
+    weight or optimizer state touched."""
+    gen = torch.Generator().manual_seed(where)
+    dtypes = [torch.float32] * 3
+    dtypes[where] = torch.float16
+    params = [kind(torch.randn(5, generator=gen).to(d)) for d in dtypes]
+    for p in params:
+        p.grad = (torch.randn(5, generator=gen) * 100).to(p.dtype)
+    before = [(p.detach().clone(), p.grad.clone(), p.grad._version) for p in params]
+    scaler, opt = gradfuse.GradScaler("cpu"), torch.optim.SGD(params, lr=0.1)
+    scaler.scale(torch.ones(()))
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        FP16_CALLS[call](scaler, opt)
+    for p, (w, g, version) in zip(params, before, strict=True):
+        assert same_bits(p.detach(), w) and same_bits(p.grad, g) and p.grad._version == version
+    # A disabled scaler does not refuse (nor unscale): torch's rule.
+    assert gradfuse.GradScaler("cpu", enabled=False).unscale_and_clip_(opt, 1e9).isfinite()
+
+
+SPAN_CALLS = {
+    "unscale_": lambda scaler, opt: scaler.unscale_(opt),
+    "unscale_and_clip_": lambda scaler, opt: scaler.unscale_and_clip_(opt, 0.1),
+    "unscale_and_clip_ fused": lambda scaler, opt: scaler.unscale_and_clip_(opt, 0.1),
+}
+
+
+@pytest.mark.parametrize("call", SPAN_CALLS)
+def test_gradients_spanning_devices_end_as_when_grouped_first(call, monkeypatch):
+    """The scaler tries one device first, unchecked, and groups the gradients by device only when
+    the op finds a list that spans devices (before it writes). A list on the CPU and on meta (a
+    device gradfuse has no kernels for) must end exactly as when the devices are read first:
+    the CPU gradient unscaled once, by torch's path, or the same error."""
+
+    def run(check_first: bool):
+        if check_first:  # the scaler's behaviour before: every device read up front
+            real = gradfuse.scaler._fused_groups
+            checked = lambda t, one_device, plain=False: real(t, False, plain)  # noqa: E731
+            monkeypatch.setattr(gradfuse.clip, "_fused_groups", checked)
+        gen = torch.Generator().manual_seed(0)
+        params = params_of([torch.randn(6, generator=gen) * 8, torch.randn(3, device="meta")])
+        opt = torch.optim.AdamW(params, lr=0.1, fused=call.endswith("fused"))
+        scaler = gradfuse.GradScaler("cpu", init_scale=4.0)
+        scaler.scale(torch.ones(()))
+        try:
+            SPAN_CALLS[call](scaler, opt)
+            outcome = ("returned", None)
+        except (RuntimeError, NotImplementedError, ValueError) as e:
+            outcome = ("raised", f"{type(e).__name__}: {e}")
+        monkeypatch.undo()
+        return outcome, params[0].grad.clone()
+
+    (kind, how), grad = run(check_first=False)
+    (kind2, how2), grad2 = run(check_first=True)
+    assert (kind, how) == (kind2, how2)
+    assert same_bits(grad, grad2)
 
 
 @pytest.mark.parametrize("norm_type", [1.0, math.inf])

@@ -94,6 +94,7 @@ class Plan:
         "name",
         "nbytes",
         "numels",
+        "on_cuda",
         "out_dtype",
         "tensor_list",
         "tensors",
@@ -104,6 +105,8 @@ class Plan:
         self.name = name
         self.inplace = inplace
         self.device = device
+        #: ``device.type == "cuda"``, read once (the getter makes a string: ~150 ns a call).
+        self.on_cuda = device.type == "cuda"
         self.addrs = addrs
         self.numels = numels
         self.codes = codes
@@ -172,7 +175,8 @@ class Plan:
 
 #: What a plan moved to other addresses keeps as it is.
 _KEPT_WHEN_MOVED = (
-    "name", "inplace", "device", "numels", "codes", "dtypes", "nbytes", "empty", "formats", "laid_out", "out_dtype"
+    "name", "inplace", "device", "on_cuda", "numels", "codes", "dtypes", "nbytes", "empty", "formats", "laid_out",
+    "out_dtype",
 )  # fmt: skip
 
 
@@ -402,12 +406,13 @@ def probes() -> bool:
     return _PROBES
 
 
-def grads_of(params: list) -> list[Tensor] | None:
+def grads_of(params: list, without: torch.dtype | None = None) -> list[Tensor] | None:
     """The gradients of ``params`` (a list) that are not None, in order, each a plain tensor
     (``torch.Tensor``/``nn.Parameter``): one Rust pass through torch's ``grad`` getter. None
     where that pass cannot answer (no probes, a subclass among the parameters or gradients, a
-    getter that raises): the caller then reads them itself, as torch would."""
-    return rust_core().grads_of(params) if probes() else None
+    getter that raises) and, with ``without``, where some gradient has that dtype (read in the
+    same pass): the caller then reads them itself, as torch would, and refuses that dtype."""
+    return rust_core().grads_of(params, without) if probes() else None
 
 
 def grads_are(params: list, grads: list) -> bool:

@@ -103,8 +103,9 @@ def _fused_groups(
     # It cannot tell the CPU from meta (both -1), nor CUDA from another device of the same index:
     # a wrong guess ends in the op's MixedDevicesError, before anything is modified (see _TORCHS).
     if not compiling and (one_device or len(set(map(_get_device, tensors))) == 1):
-        device = tensors[0].device
-        return {device: tensors} if device.type in _DEVICES else None
+        first = tensors[0]
+        # Two getters (~35 ns each) where device.type makes a string (~150 ns).
+        return {first.device: tensors} if first.is_cpu or first.is_cuda else None
     groups = {}
     for t in tensors:
         groups.setdefault(t.device, []).append(t)

@@ -30,16 +30,17 @@ Tensor = torch.Tensor
 _LIB = torch.library.Library("gradfuse", "DEF")
 
 
-def _backend(device: torch.device):
+def _backend(plan: P.Plan):
+    """The backend module that runs ``plan`` (on its device, as ``GRADFUSE_BACKEND`` says)."""
     # The environment as os.environ has it, read by the Rust core (loaded on first use, not by
     # `import gradfuse`): os.environ.get of an unset name costs ~0.5 us (a KeyError raised and caught).
     choice = P.rust_core().backend_env()
     if choice is None:  # the usual case, first
-        return _triton() if device.type == "cuda" else _cpu()
+        return _triton() if plan.on_cuda else _cpu()
     choice = choice.lower()
     if choice not in ("auto", "rust", "triton"):
         raise ValueError(f"GRADFUSE_BACKEND must be auto, rust or triton, got {choice!r}")
-    if device.type == "cuda":
+    if plan.on_cuda:
         if choice == "rust":
             raise RuntimeError("GRADFUSE_BACKEND=rust cannot run on CUDA tensors; use auto or triton")
         return _triton()
@@ -202,7 +203,7 @@ _NORM = "gradfuse.multi_tensor_norm"
 def _norm_run(tensors: list[Tensor], norm_type: float, per_tensor: bool):
     plan = P.make_plan(_NORM, "tensors", tensors, inplace=False)
     _empty_norm_check(_NORM, "tensors", norm_type, plan)
-    return _backend(plan.device).norm(plan, norm_type, per_tensor)
+    return _backend(plan).norm(plan, norm_type, per_tensor)
 
 
 def _norm_check(tensors, norm_type, per_tensor):
@@ -234,7 +235,7 @@ def _scale_run(tensors: list[Tensor], scale: Tensor) -> None:
         return
     plan = P.make_plan(_SCALE, "tensors", tensors, inplace=True)
     P.check_scalar(_SCALE, "scale", scale, plan.device)
-    _backend(plan.device).scale_(plan, scale)
+    _backend(plan).scale_(plan, scale)
     plan.finish_inplace(tensors)
 
 
@@ -254,7 +255,7 @@ def _clip_with_norm_run(grads: list[Tensor], max_norm: float, total_norm: Tensor
         return
     plan = P.make_plan(_CLIPN, "grads", grads, inplace=True)
     P.check_scalar(_CLIPN, "total_norm", total_norm, plan.device)
-    _backend(plan.device).clip_grads_with_norm_(plan, max_norm, total_norm)
+    _backend(plan).clip_grads_with_norm_(plan, max_norm, total_norm)
     plan.finish_inplace(grads)
 
 
@@ -282,7 +283,7 @@ _CLIP = "gradfuse.clip_grad_norm_"
 def _clip_run(grads: list[Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
     plan = P.make_plan(_CLIP, "grads", grads, inplace=True)
     _empty_norm_check(_CLIP, "grads", norm_type, plan)
-    total = _backend(plan.device).clip_grad_norm_(plan, max_norm, norm_type, error_if_nonfinite)
+    total = _backend(plan).clip_grad_norm_(plan, max_norm, norm_type, error_if_nonfinite)
     plan.finish_inplace(grads)
     return total
 
@@ -320,7 +321,7 @@ def _unscale_run(tensors: list[Tensor], inv_scale: Tensor, found_inf: Tensor) ->
         return
     plan = P.make_plan(_UNSCALE, "tensors", tensors, inplace=True)
     _check_amp_scalars(_UNSCALE, inv_scale, found_inf, plan.device)
-    _backend(plan.device).unscale_and_check_(plan, inv_scale, found_inf)
+    _backend(plan).unscale_and_check_(plan, inv_scale, found_inf)
     plan.finish_inplace(tensors)
     P.bump_versions([found_inf])
 
@@ -346,7 +347,7 @@ def _ucn_run(tensors: list[Tensor], inv_scale: Tensor, norm_type: float):
     plan = P.make_plan(_UCN, "tensors", tensors, inplace=False)
     _check_amp_scalars(_UCN, inv_scale, None, plan.device)
     _empty_norm_check(_UCN, "tensors", norm_type, plan)
-    return _backend(plan.device).unscale_check_norm(plan, inv_scale, norm_type)
+    return _backend(plan).unscale_check_norm(plan, inv_scale, norm_type)
 
 
 def _ucn_check(tensors, inv_scale, norm_type):
@@ -379,7 +380,7 @@ def _uclip_run(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor, max_no
     plan = P.make_plan(_UCLIP, "grads", grads, inplace=True)
     _check_amp_scalars(_UCLIP, inv_scale, found_inf, plan.device)
     _empty_norm_check(_UCLIP, "grads", norm_type, plan)
-    total = _backend(plan.device).unscale_and_clip_(plan, inv_scale, found_inf, max_norm, norm_type)
+    total = _backend(plan).unscale_and_clip_(plan, inv_scale, found_inf, max_norm, norm_type)
     plan.finish_inplace(grads)
     P.bump_versions([found_inf])
     return total
@@ -415,7 +416,7 @@ def _unorm_run(tensors: list[Tensor], inv_scale: Tensor, found_inf: Tensor, norm
     plan = P.make_plan(_UNORM, "tensors", tensors, inplace=True)
     _check_amp_scalars(_UNORM, inv_scale, found_inf, plan.device)
     _empty_norm_check(_UNORM, "tensors", norm_type, plan)
-    total = _backend(plan.device).unscale_norm_(plan, inv_scale, found_inf, norm_type)
+    total = _backend(plan).unscale_norm_(plan, inv_scale, found_inf, norm_type)
     plan.finish_inplace(tensors)
     P.bump_versions([found_inf])
     return total
@@ -454,7 +455,7 @@ def _acc_run(dst: list[Tensor], src: list[Tensor], alpha: float) -> None:
     d = P.make_plan(_ACC, "dst", dst, inplace=True, dense_ok=False)
     s = P.make_plan(_ACC, "src", src, inplace=False, device=d.device, dense_ok=False)
     P.check_reads(_ACC, "dst", d, dst, "src", s, src)
-    _backend(d.device).accumulate_(d, s, float(alpha))
+    _backend(d).accumulate_(d, s, float(alpha))
     d.finish_inplace(dst)
 
 
@@ -475,7 +476,7 @@ _CLAMP = "gradfuse.clamp_"
 
 def _clamp_run(tensors: list[Tensor], min: float, max: float) -> None:
     plan = P.make_plan(_CLAMP, "tensors", tensors, inplace=True)
-    _backend(plan.device).clamp_(plan, float(min), float(max))
+    _backend(plan).clamp_(plan, float(min), float(max))
     plan.finish_inplace(tensors)
 
 
@@ -494,7 +495,7 @@ _STATS = "gradfuse.multi_tensor_stats"
 def _stats_run(tensors: list[Tensor], norm_type: float):
     plan = P.make_plan(_STATS, "tensors", tensors, inplace=False)
     _empty_norm_check(_STATS, "tensors", norm_type, plan)
-    return _backend(plan.device).stats(plan, norm_type)
+    return _backend(plan).stats(plan, norm_type)
 
 
 def _stats_check(tensors, norm_type):
@@ -552,7 +553,7 @@ def _units_run(tensors: list[Tensor], units: list[int], norm_type: float):
         P.check_empty_norm(
             _UNITS, "tensors", norm_type, [n if u else 1 for n, u in zip(plan.numels, units, strict=True)]
         )
-    return _backend(plan.device).unit_norms(plan, list(units), norm_type)
+    return _backend(plan).unit_norms(plan, list(units), norm_type)
 
 
 def _units_check(tensors, units, norm_type):
@@ -588,7 +589,7 @@ def _uscale_run(tensors: list[Tensor], units: list[int], factors: Tensor) -> Non
         return
     plan = _rows_plan(_USCALE, tensors, units, inplace=True)
     _check_factors(factors, units, plan.device)
-    _backend(plan.device).scale_units_(plan, list(units), factors)
+    _backend(plan).scale_units_(plan, list(units), factors)
     plan.finish_inplace(tensors)
 
 
