@@ -14,6 +14,7 @@ pub mod elementwise;
 pub mod error;
 pub mod norm;
 pub mod parallel;
+pub mod prefetch;
 pub mod simd;
 pub mod stats;
 pub mod tensor;

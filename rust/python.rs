@@ -13,6 +13,7 @@ use crate::elementwise;
 use crate::error::Error;
 use crate::norm::{self as norms, NormResult};
 use crate::parallel;
+use crate::prefetch::{self, Want};
 use crate::stats as health;
 use crate::tensor::{find_conflict, find_strided_conflict, RawTensor, Slice, SliceMut, Strided};
 use crate::unitwise;
@@ -41,6 +42,8 @@ struct TensorList {
     /// format, 1 channels-last, 2 channels-last 3d; either way its elements fill exactly its
     /// `numel` slots from its address), checked by [`TensorList::probe`]; None: all are 0.
     formats: Option<Vec<u8>>,
+    /// The bytes of the tensors' data: a probe of a list past `prefetch::min_bytes` prefetches.
+    bytes: usize,
 }
 
 #[pymethods]
@@ -82,7 +85,8 @@ impl TensorList {
             .map(|(i, ((&a, &n), &c))| RawTensor::new(i, a, n, c))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| to_py(e, &name, ""))?;
-        let list = TensorList { name, tensors, writable, formats };
+        let bytes = tensors.iter().map(|t| t.numel * t.dtype.size()).sum();
+        let list = TensorList { name, tensors, writable, formats, bytes };
         if writable {
             list.check_disjoint(None).map_err(|e| list.err(e))?;
         }
@@ -117,7 +121,12 @@ impl TensorList {
             return Ok(py.None());
         }
         let mut addrs = Vec::with_capacity(self.tensors.len());
+        let ahead = prefetch::offsets().filter(|_| self.bytes >= prefetch::min_bytes());
         for (i, (t, want)) in tensors.iter().zip(&self.tensors).enumerate() {
+            if let Some(o) = ahead {
+                // SAFETY: the GIL is held and `tensors` is a live list.
+                unsafe { probes.ahead(o, tensors, i, Want::Probe) };
+            }
             let format = self.formats.as_ref().map_or(0, |f| f[i]);
             // SAFETY: `t` is a live object (the list holds it) and the GIL is held; `probe_one`
             // calls torch's getters only on exact `torch.Tensor`/`nn.Parameter` instances.
@@ -125,6 +134,10 @@ impl TensorList {
                 Some(addr) => addrs.push(addr),
                 None => return Ok(py.None()),
             }
+        }
+        if addrs.len() != self.tensors.len() {
+            // The list shrank while the getters ran (Python code under a torch function mode).
+            return Ok(py.None());
         }
         if addrs.iter().zip(&self.tensors).all(|(&a, t)| a == t.addr) {
             return Ok(true.into_pyobject(py)?.to_owned().into_any().unbind());
@@ -147,8 +160,13 @@ impl TensorList {
             }
             tensors.push(moved);
         }
-        let list =
-            TensorList { name: self.name.clone(), tensors, writable: self.writable, formats: self.formats.clone() };
+        let list = TensorList {
+            name: self.name.clone(),
+            tensors,
+            writable: self.writable,
+            formats: self.formats.clone(),
+            bytes: self.bytes,
+        };
         if list.writable && list.check_disjoint(None).is_err() {
             return None;
         }
@@ -412,7 +430,14 @@ fn grads_of<'py>(
     let Some(probes) = PROBES.get(py) else { return Ok(None) };
     let without = without.map(|d| d.as_ptr());
     let grads = PyList::empty(py);
-    for p in params.iter() {
+    // Parameters' metadata is cold after a pass over a large model's data; a short list costs
+    // little either way.
+    let ahead = prefetch::offsets().filter(|_| params.len() >= 4 * prefetch::AHEAD);
+    for (i, p) in params.iter().enumerate() {
+        if let Some(o) = ahead {
+            // SAFETY: the GIL is held and `params` is a live list.
+            unsafe { probes.ahead(o, params, i, Want::Grad) };
+        }
         // SAFETY: `p` is live (the list holds it), the GIL is held, and the getter is called on
         // plain tensors only; the new reference is owned by the Bound made from it.
         let grad = unsafe {
@@ -445,6 +470,26 @@ fn grads_of<'py>(
     Ok(Some(grads))
 }
 
+/// The prefetches of the probes' walks (see [`prefetch`]): `offsets` (cdata, storage, meta,
+/// version), found by the Python layer on sample tensors, are kept when given (once; refused
+/// when outside the bytes a word may be read from), `min_bytes` sets the smallest list whose
+/// probe prefetches. Returns the offsets kept (None: no prefetches) and the threshold.
+#[pyfunction]
+#[pyo3(name = "prefetch", signature = (offsets=None, min_bytes=None))]
+fn prefetch_setup(
+    offsets: Option<(usize, usize, usize, usize)>,
+    min_bytes: Option<usize>,
+) -> (Option<(usize, usize, usize, usize)>, usize) {
+    if let Some((cdata, storage, meta, version)) = offsets {
+        prefetch::set(prefetch::Offsets { cdata, storage, meta, version });
+    }
+    if let Some(bytes) = min_bytes {
+        prefetch::set_min_bytes(bytes);
+    }
+    let kept = prefetch::offsets().map(|o| (o.cdata, o.storage, o.meta, o.version));
+    (kept, prefetch::min_bytes())
+}
+
 /// The process environment's `GRADFUSE_BACKEND` (None when unset or not UTF-8): what
 /// `os.environ.get` gives, which Python keeps in step with the process environment (`putenv` on
 /// every change), for ~0.1 us where `os.environ.get` of an unset name costs ~0.5 us (a KeyError
@@ -460,7 +505,8 @@ fn backend_env() -> Option<String> {
 #[pyfunction]
 fn grads_are(py: Python<'_>, params: &Bound<'_, PyList>, grads: &Bound<'_, PyList>) -> Option<bool> {
     let probes = PROBES.get(py)?;
-    if params.len() != grads.len() {
+    let n = params.len();
+    if n != grads.len() {
         return Some(false);
     }
     for (p, g) in params.iter().zip(grads.iter()) {
@@ -480,7 +526,8 @@ fn grads_are(py: Python<'_>, params: &Bound<'_, PyList>, grads: &Bound<'_, PyLis
             return Some(false);
         }
     }
-    Some(true)
+    // A getter may have run Python code (a torch function mode) that shrank a list.
+    Some(params.len() == grads.len() && params.len() == n)
 }
 
 /// Whether `tensors[i].data_ptr() == addrs[i]` for every `i`, through torch's `data_ptr` in one
@@ -512,10 +559,38 @@ fn addrs_are(py: Python<'_>, tensors: &Bound<'_, PyList>, addrs: Vec<usize>) -> 
             return Some(false);
         }
     }
-    Some(true)
+    // As in `grads_are`.
+    Some(tensors.len() == addrs.len())
 }
 
 impl Probes {
+    /// The prefetches of a walk over `list` at item `i` (see [`prefetch`]): the first stage for
+    /// item `i + AHEAD`, the second for item `i + AHEAD / 2`, each only for a plain tensor.
+    ///
+    /// # Safety
+    /// The GIL is held and `list` is a live list.
+    unsafe fn ahead(&self, o: &prefetch::Offsets, list: &Bound<'_, PyList>, i: usize, want: Want) {
+        let ptr = list.as_ptr();
+        for (j, first) in [(i + prefetch::AHEAD, true), (i + prefetch::AHEAD / 2, false)] {
+            // SAFETY: the GIL is held; `j` is checked against the list's current length (a
+            // getter may run Python code, under a torch function mode, that shrinks it), and the
+            // borrowed item is used before anything else runs.
+            unsafe {
+                if (j as ffi::Py_ssize_t) >= ffi::PyList_Size(ptr) {
+                    continue;
+                }
+                let obj = ffi::PyList_GetItem(ptr, j as ffi::Py_ssize_t);
+                if obj.is_null() {
+                    ffi::PyErr_Clear();
+                    continue;
+                }
+                if self.is_plain(obj) {
+                    prefetch::stage(o, obj as *const u8, first, want);
+                }
+            }
+        }
+    }
+
     /// Whether `t`'s type is exactly one of the plain tensor types (`torch.Tensor`, `nn.Parameter`).
     fn is_plain(&self, t: *mut ffi::PyObject) -> bool {
         // SAFETY: `t` is a live object (every caller holds it) and the GIL is held.
@@ -911,6 +986,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TensorList>()?;
     m.add_function(wrap_pyfunction!(set_probes, m)?)?;
     m.add_function(wrap_pyfunction!(grads_of, m)?)?;
+    m.add_function(wrap_pyfunction!(prefetch_setup, m)?)?;
     m.add_function(wrap_pyfunction!(backend_env, m)?)?;
     m.add_function(wrap_pyfunction!(grads_are, m)?)?;
     m.add_function(wrap_pyfunction!(addrs_are, m)?)?;

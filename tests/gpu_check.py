@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: cut at its limit keeps those. zclip is listed only where the package imports (bench).
 BENCH_WORKLOADS = [
     "clip_gpt2_*",
+    "host",  # host time per call on CUDA (issue 23's bars), ~30 s
     "amp_gpt2_*",
     "accumulate_gpt2_*",
     "step",

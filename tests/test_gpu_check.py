@@ -182,3 +182,14 @@ def test_a_check_stopped_from_outside_stops_its_part_and_leaves_a_summary(tmp_pa
     summary = (out / "summary.txt").read_text()
     assert "cuda tests: STOPPED from outside after" in summary, summary
     assert "versions: passed" in summary and "bench: not run" in summary
+
+
+def test_every_bench_pattern_names_cuda_workloads_and_the_host_family_is_among_them():
+    """A pattern that matches nothing would stop the bench part on the GPU machine at once (a
+    usage error), losing the visit's measurements: each must select CUDA workloads here."""
+    from gradfuse.bench.workloads import select
+
+    names = [w.name for w in select("cuda", gpu_check.BENCH_WORKLOADS)]
+    assert names and len(names) == len(set(names))
+    assert {f"host_{api}_{n}" for api in ("clip", "buckets", "scaler") for n in (1, 148, 2000, 10000)} <= set(names)
+    assert not any(name.startswith("clip_sweep") for name in names)  # a visit of its own

@@ -39,10 +39,13 @@ def rand_like(t: torch.Tensor, generator) -> torch.Tensor:
 class World:
     """Parameters and gradients that the steps change, and the calls that check them."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, copies: int = 1):
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
-        self.params = [self._param(s, torch.bfloat16 if i == 3 else torch.float32) for i, s in enumerate(SHAPES)]
+        shapes = SHAPES * copies
+        self.params = [
+            self._param(s, torch.bfloat16 if i % len(SHAPES) == 3 else torch.float32) for i, s in enumerate(shapes)
+        ]
 
     def _param(self, shape, dtype) -> torch.nn.Parameter:
         p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
@@ -279,6 +282,31 @@ def test_every_change_under_a_kept_plan_gives_torchs_answer(backend, change):
 def test_random_sequences_of_changes_and_calls(backend, seed):
     world = World(seed=100 + seed)
     for _ in range(18):
+        if world.rng.random() < 0.6:
+            getattr(world, world.rng.choice(CHANGES))()
+        run_call(world, world.rng.randrange(3))
+
+
+@pytest.fixture
+def prefetching():
+    """Every probe prefetches ahead of its getters (``rust/prefetch.rs``; the threshold in bytes
+    lowered to nothing), with the offsets found on this torch."""
+    _plan.probes()
+    core = _plan.rust_core()
+    offsets, threshold = core.prefetch()
+    assert offsets is not None, "no tensor layout offsets found on this torch (gradfuse._layout)"
+    core.prefetch(min_bytes=0)
+    yield
+    core.prefetch(min_bytes=threshold)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_sequences_under_walks_that_prefetch(prefetching, seed):
+    """The same sequences over 42 gradients, long enough for both stages of the prefetching walk
+    (8 and 4 tensors ahead) to run in ``grads_of`` and in every probe, while the changes replace,
+    re-point, free and reuse what those stages read and prefetch."""
+    world = World(seed=200 + seed, copies=7)
+    for _ in range(30):
         if world.rng.random() < 0.6:
             getattr(world, world.rng.choice(CHANGES))()
         run_call(world, world.rng.randrange(3))

@@ -18,6 +18,8 @@ from operator import attrgetter, is_
 
 import torch
 
+from ._layout import find_offsets
+
 Tensor = torch.Tensor
 
 #: dtype -> code understood by the Rust core and the Triton kernels.
@@ -432,9 +434,10 @@ def addrs_are(tensors: list, addrs: list[int]) -> bool:
 
 def _set_probes() -> bool:
     """Hands the Rust core torch's attribute getters for :func:`_confirm` (False: a Python or
-    torch where they cannot be called directly; the probes are then C-level maps)."""
+    torch where they cannot be called directly; the probes are then C-level maps), and where
+    this torch keeps a tensor's pointers, for the prefetches of its walks (``_layout``)."""
     try:
-        return rust_core().set_probes(
+        ok = rust_core().set_probes(
             [Tensor.dtype, Tensor.nbytes, Tensor._version, Tensor.grad],
             [Tensor.data_ptr, Tensor.is_contiguous],
             list(DTYPE_CODES),
@@ -443,6 +446,11 @@ def _set_probes() -> bool:
         )
     except (AttributeError, TypeError, ValueError):
         return False
+    if ok:
+        offsets = find_offsets()
+        if offsets is not None:
+            rust_core().prefetch(offsets)
+    return ok
 
 
 def _device_index(device: torch.device) -> int:
