@@ -509,7 +509,12 @@ fn grads_are(py: Python<'_>, params: &Bound<'_, PyList>, grads: &Bound<'_, PyLis
     if n != grads.len() {
         return Some(false);
     }
-    for (p, g) in params.iter().zip(grads.iter()) {
+    let ahead = prefetch::offsets().filter(|_| n >= 4 * prefetch::AHEAD);
+    for (i, (p, g)) in params.iter().zip(grads.iter()).enumerate() {
+        if let Some(o) = ahead {
+            // SAFETY: the GIL is held and `params` is a live list.
+            unsafe { probes.ahead(o, params, i, Want::Grad) };
+        }
         // SAFETY: `p` is live (the list holds it), the GIL is held, and the getter is called on
         // plain tensors only; the new reference is released.
         let same = unsafe {
@@ -539,7 +544,12 @@ fn addrs_are(py: Python<'_>, tensors: &Bound<'_, PyList>, addrs: Vec<usize>) -> 
     if tensors.len() != addrs.len() {
         return Some(false);
     }
-    for (t, &want) in tensors.iter().zip(&addrs) {
+    let ahead = prefetch::offsets().filter(|_| addrs.len() >= 4 * prefetch::AHEAD);
+    for (i, (t, &want)) in tensors.iter().zip(&addrs).enumerate() {
+        if let Some(o) = ahead {
+            // SAFETY: the GIL is held and `tensors` is a live list.
+            unsafe { probes.ahead(o, tensors, i, Want::Probe) };
+        }
         // SAFETY: as in `grads_are`.
         let same = unsafe {
             let ptr = t.as_ptr();

@@ -106,9 +106,18 @@ def test_a_walk_whose_list_shrinks_under_it_stays_inside_it():
         with _Shrinking(victim):
             found = core.grads_of(victim)
         assert found is None or found == [] or all(isinstance(g, torch.Tensor) for g in found)
+        # The liveness checks of GradBuckets and the DDP handover: a shrunk list is not the same.
+        victim = list(params)
+        with _Shrinking(victim):
+            assert core.grads_are(victim, list(grads)) is False
+        victim = list(grads)
+        with _Shrinking(victim):
+            assert core.addrs_are(victim, [g.data_ptr() for g in grads]) is False
         # And the same lists walked whole, without the mode.
         assert plan.tensor_list.probe(grads, True) is True
         assert core.grads_of(params) == grads
+        assert core.grads_are(params, grads) is True
+        assert core.addrs_are(grads, [g.data_ptr() for g in grads]) is True
     finally:
         core.prefetch(min_bytes=threshold)
 
