@@ -13,7 +13,7 @@ use crate::elementwise;
 use crate::error::Error;
 use crate::norm::{self as norms, NormResult};
 use crate::parallel;
-use crate::prefetch::{self, Want};
+use crate::prefetch::{self, Step};
 use crate::stats as health;
 use crate::tensor::{find_conflict, find_strided_conflict, RawTensor, Slice, SliceMut, Strided};
 use crate::unitwise;
@@ -121,11 +121,11 @@ impl TensorList {
             return Ok(py.None());
         }
         let mut addrs = Vec::with_capacity(self.tensors.len());
-        let ahead = prefetch::offsets().filter(|_| self.bytes >= prefetch::min_bytes());
+        let ahead = prefetch::offsets().filter(|_| prefetch::probed(self.bytes));
         for (i, (t, want)) in tensors.iter().zip(&self.tensors).enumerate() {
             if let Some(o) = ahead {
                 // SAFETY: the GIL is held and `tensors` is a live list.
-                unsafe { probes.ahead(o, tensors, i, Want::Probe) };
+                unsafe { probes.ahead(o, tensors, i, prefetch::PROBE) };
             }
             let format = self.formats.as_ref().map_or(0, |f| f[i]);
             // SAFETY: `t` is a live object (the list holds it) and the GIL is held; `probe_one`
@@ -430,13 +430,11 @@ fn grads_of<'py>(
     let Some(probes) = PROBES.get(py) else { return Ok(None) };
     let without = without.map(|d| d.as_ptr());
     let grads = PyList::empty(py);
-    // Parameters' metadata is cold after a pass over a large model's data; a short list costs
-    // little either way.
-    let ahead = prefetch::offsets().filter(|_| params.len() >= 4 * prefetch::AHEAD);
+    let ahead = prefetch::offsets().filter(|_| prefetch::cold(params.len()));
     for (i, p) in params.iter().enumerate() {
         if let Some(o) = ahead {
             // SAFETY: the GIL is held and `params` is a live list.
-            unsafe { probes.ahead(o, params, i, Want::Grad) };
+            unsafe { probes.ahead(o, params, i, prefetch::GRAD) };
         }
         // SAFETY: `p` is live (the list holds it), the GIL is held, and the getter is called on
         // plain tensors only; the new reference is owned by the Bound made from it.
@@ -471,22 +469,22 @@ fn grads_of<'py>(
 }
 
 /// The prefetches of the probes' walks (see [`prefetch`]): `offsets` (cdata, storage, meta,
-/// version), found by the Python layer on sample tensors, are kept when given (once; refused
+/// version, grad), found by the Python layer on sample tensors, are kept when given (once; refused
 /// when outside the bytes a word may be read from), `min_bytes` sets the smallest list whose
 /// probe prefetches. Returns the offsets kept (None: no prefetches) and the threshold.
+/// `(cdata, storage, meta, version, grad)`: [`prefetch::Offsets`] as Python sees them.
+type OffsetTuple = (usize, usize, usize, usize, usize);
+
 #[pyfunction]
 #[pyo3(name = "prefetch", signature = (offsets=None, min_bytes=None))]
-fn prefetch_setup(
-    offsets: Option<(usize, usize, usize, usize)>,
-    min_bytes: Option<usize>,
-) -> (Option<(usize, usize, usize, usize)>, usize) {
-    if let Some((cdata, storage, meta, version)) = offsets {
-        prefetch::set(prefetch::Offsets { cdata, storage, meta, version });
+fn prefetch_setup(offsets: Option<OffsetTuple>, min_bytes: Option<usize>) -> (Option<OffsetTuple>, usize) {
+    if let Some((cdata, storage, meta, version, grad)) = offsets {
+        prefetch::set(prefetch::Offsets { cdata, storage, meta, version, grad });
     }
     if let Some(bytes) = min_bytes {
         prefetch::set_min_bytes(bytes);
     }
-    let kept = prefetch::offsets().map(|o| (o.cdata, o.storage, o.meta, o.version));
+    let kept = prefetch::offsets().map(|o| (o.cdata, o.storage, o.meta, o.version, o.grad));
     (kept, prefetch::min_bytes())
 }
 
@@ -509,11 +507,11 @@ fn grads_are(py: Python<'_>, params: &Bound<'_, PyList>, grads: &Bound<'_, PyLis
     if n != grads.len() {
         return Some(false);
     }
-    let ahead = prefetch::offsets().filter(|_| n >= 4 * prefetch::AHEAD);
+    let ahead = prefetch::offsets().filter(|_| prefetch::cold(n));
     for (i, (p, g)) in params.iter().zip(grads.iter()).enumerate() {
         if let Some(o) = ahead {
             // SAFETY: the GIL is held and `params` is a live list.
-            unsafe { probes.ahead(o, params, i, Want::Grad) };
+            unsafe { probes.ahead(o, params, i, prefetch::GRAD) };
         }
         // SAFETY: `p` is live (the list holds it), the GIL is held, and the getter is called on
         // plain tensors only; the new reference is released.
@@ -544,11 +542,11 @@ fn addrs_are(py: Python<'_>, tensors: &Bound<'_, PyList>, addrs: Vec<usize>) -> 
     if tensors.len() != addrs.len() {
         return Some(false);
     }
-    let ahead = prefetch::offsets().filter(|_| addrs.len() >= 4 * prefetch::AHEAD);
+    let ahead = prefetch::offsets().filter(|_| prefetch::cold(addrs.len()));
     for (i, (t, &want)) in tensors.iter().zip(&addrs).enumerate() {
         if let Some(o) = ahead {
             // SAFETY: the GIL is held and `tensors` is a live list.
-            unsafe { probes.ahead(o, tensors, i, Want::Probe) };
+            unsafe { probes.ahead(o, tensors, i, prefetch::PROBE) };
         }
         // SAFETY: as in `grads_are`.
         let same = unsafe {
@@ -574,14 +572,15 @@ fn addrs_are(py: Python<'_>, tensors: &Bound<'_, PyList>, addrs: Vec<usize>) -> 
 }
 
 impl Probes {
-    /// The prefetches of a walk over `list` at item `i` (see [`prefetch`]): the first stage for
-    /// item `i + AHEAD`, the second for item `i + AHEAD / 2`, each only for a plain tensor.
+    /// The prefetches of a walk over `list` at item `i` (see [`prefetch`]): each of `steps` for
+    /// the item as far ahead as the step says, when that item is a plain tensor.
     ///
     /// # Safety
     /// The GIL is held and `list` is a live list.
-    unsafe fn ahead(&self, o: &prefetch::Offsets, list: &Bound<'_, PyList>, i: usize, want: Want) {
+    unsafe fn ahead(&self, o: &prefetch::Offsets, list: &Bound<'_, PyList>, i: usize, steps: &[(usize, Step)]) {
         let ptr = list.as_ptr();
-        for (j, first) in [(i + prefetch::AHEAD, true), (i + prefetch::AHEAD / 2, false)] {
+        for &(distance, step) in steps {
+            let j = i + distance;
             // SAFETY: the GIL is held; `j` is checked against the list's current length (a
             // getter may run Python code, under a torch function mode, that shrinks it), and the
             // borrowed item is used before anything else runs.
@@ -595,7 +594,7 @@ impl Probes {
                     continue;
                 }
                 if self.is_plain(obj) {
-                    prefetch::stage(o, obj as *const u8, first, want);
+                    prefetch::take(o, obj as *const u8, step);
                 }
             }
         }

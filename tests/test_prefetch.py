@@ -44,14 +44,16 @@ def test_this_torchs_offsets_are_found_and_kept_by_the_rust_core():
 
 
 def test_the_offsets_describe_tensors_other_than_the_samples():
-    cdata, storage, meta, version = _layout.find_offsets()
+    cdata, storage, meta, version, grad = _layout.find_offsets()
     for t in kinds():
         impl = t._cdata
         assert word(id(t) + cdata) == impl
         assert word(impl + storage) == t.untyped_storage()._cdata
-        # Autograd metadata where torch has some: a parameter; none on a fresh plain tensor.
+        # Autograd metadata where torch has some: a parameter, holding its gradient; none on a
+        # fresh plain tensor.
         if isinstance(t, torch.nn.Parameter):
             assert word(impl + meta) != 0
+            assert word(word(impl + meta) + grad) == t.grad._cdata
     plain = torch.randn(3)
     assert word(plain._cdata + meta) == 0
     # The version counter is shared with views (and follows .data =, which keeps the tensor's
@@ -70,8 +72,8 @@ def test_offsets_outside_what_may_be_read_are_refused():
     read (its own tests check each bound); asking again changes nothing."""
     core = _plan.rust_core()
     kept, _ = core.prefetch()
-    assert core.prefetch((16, 16, 24, 64))[0] == kept
-    assert core.prefetch((8, 16, 24, 40))[0] == kept
+    assert core.prefetch((16, 16, 24, 64, 40))[0] == kept
+    assert core.prefetch((8, 16, 24, 40, 40))[0] == kept
 
 
 class _Shrinking(TorchFunctionMode):

@@ -4,9 +4,10 @@ The probes of a long list of tensors (``TensorList.probe``, ``grads_of``) call t
 tensor by tensor; after a pass over a model's data every object those getters touch is a cache
 miss, one after the other. The Rust core prefetches them a few tensors ahead when it knows four
 offsets of torch's private layout: in a tensor's Python object, its ``TensorImpl``; in the
-``TensorImpl``, its storage, its autograd metadata and its version counter. They are found here
-on sample tensors made for the purpose, by what torch says of them in public (``_cdata``,
-``untyped_storage()._cdata``, a view sharing the version counter, ``.data`` not sharing it), and
+``TensorImpl``, its storage, its autograd metadata and its version counter; in the autograd
+metadata, the gradient's ``TensorImpl``. They are found here on sample tensors made for the
+purpose, by what torch says of them in public (``_cdata``, ``untyped_storage()._cdata``, a view
+sharing the version counter, ``.data`` not sharing it, ``.grad._cdata``), and
 handed over only when each is found at exactly one place. The offsets only choose addresses to
 prefetch: a wrong one costs speed, never a result (the module docs of ``rust/prefetch.rs`` say
 which bytes are read).
@@ -31,8 +32,8 @@ def _only(candidates: list[int]) -> int | None:
     return candidates[0] if len(candidates) == 1 else None
 
 
-def find_offsets() -> tuple[int, int, int, int] | None:
-    """``(cdata, storage, meta, version)`` in bytes, each found at exactly one place on sample
+def find_offsets() -> tuple[int, int, int, int, int] | None:
+    """``(cdata, storage, meta, version, grad)`` in bytes, each found at exactly one place on sample
     tensors, or None (no prefetches) when one is not, or when this is not a 64-bit CPython whose
     tensor objects have the basic size the Rust core reads within."""
     if ctypes.sizeof(ctypes.c_void_p) != 8 or torch._C.TensorBase.__basicsize__ < OBJECT_BYTES:
@@ -50,9 +51,22 @@ def find_offsets() -> tuple[int, int, int, int] | None:
         return _word(t._cdata + k)
 
     storage = _only([k for k in impl_words if all(at(t, k) == t.untyped_storage()._cdata for t in samples)])
-    # Autograd metadata: none on a plain tensor, some on one that requires grad and a parameter.
+    # Autograd metadata: none on a plain tensor, its own (a distinct, aligned pointer) on each
+    # tensor that requires grad. Nothing else is null on the one and such on the others: it is
+    # read through below, so it must be a pointer.
     plain, tracked = torch.zeros(3), torch.zeros(3, requires_grad=True)
-    meta = _only([k for k in impl_words if at(plain, k) == 0 and at(tracked, k) != 0 and at(param, k) != 0])
+    params = [param, torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))]
+    params[1].grad = torch.ones(4, dtype=torch.float64)
+    owners = [tracked, *params]
+    meta = _only(
+        [
+            k
+            for k in impl_words
+            if at(plain, k) == 0
+            and all(at(t, k) != 0 and at(t, k) % 8 == 0 for t in owners)
+            and len({at(t, k) for t in owners}) == len(owners)
+        ]
+    )
     # The version counter: shared with a view, not with .data (which shares the storage).
     base = torch.zeros(3)
     view, data = base.view(3), base.data
@@ -61,4 +75,12 @@ def find_offsets() -> tuple[int, int, int, int] | None:
     )
     if storage is None or meta is None or version is None:
         return None
-    return cdata, storage, meta, version
+    # In a parameter's autograd metadata (its first 64 bytes, as in the TensorImpl): its
+    # gradient's TensorImpl.
+    metas = [at(p, meta) for p in params]
+    grad = _only(
+        [k for k in impl_words if all(_word(m + k) == p.grad._cdata for m, p in zip(metas, params, strict=True))]
+    )
+    if grad is None:
+        return None
+    return cdata, storage, meta, version, grad
