@@ -35,7 +35,7 @@ _NOTHING: dict = {}
 
 
 def _capturing(plan: Plan) -> bool:
-    return plan.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
+    return plan.on_cuda and torch._C._cuda_isCurrentStreamCapturing()
 
 
 def _capture_error() -> RuntimeError:
@@ -61,7 +61,7 @@ def _kept(plan: Plan, key, make, move):
         if table is None:
             table = make()
         plan.memo[key] = table
-    elif plan.device.type == "cuda" and id(plan) not in _PINNED and _capturing(plan):
+    elif plan.on_cuda and id(plan) not in _PINNED and _capturing(plan):
         _PINNED[id(plan)] = plan
     return table
 
@@ -113,7 +113,7 @@ def _unit_table(plan: Plan, units: list[int]) -> ChunkTable:
 
 def _launch_on(plan: Plan):
     """The CUDA device of the plan made current for the call (launches go to the current device)."""
-    if plan.device.type == "cuda" and torch._C._cuda_getDevice() != plan.device.index:
+    if plan.on_cuda and torch._C._cuda_getDevice() != plan.device.index:
         return torch.cuda.device(plan.device)
     return _NO_SWITCH
 
