@@ -468,13 +468,13 @@ fn grads_of<'py>(
     Ok(Some(grads))
 }
 
+/// `(cdata, storage, meta, version, grad)`: [`prefetch::Offsets`] as Python sees them.
+type OffsetTuple = (usize, usize, usize, usize, usize);
+
 /// The prefetches of the probes' walks (see [`prefetch`]): `offsets` (cdata, storage, meta,
 /// version, grad), found by the Python layer on sample tensors, are kept when given (once; refused
 /// when outside the bytes a word may be read from), `min_bytes` sets the smallest list whose
 /// probe prefetches. Returns the offsets kept (None: no prefetches) and the threshold.
-/// `(cdata, storage, meta, version, grad)`: [`prefetch::Offsets`] as Python sees them.
-type OffsetTuple = (usize, usize, usize, usize, usize);
-
 #[pyfunction]
 #[pyo3(name = "prefetch", signature = (offsets=None, min_bytes=None))]
 fn prefetch_setup(offsets: Option<OffsetTuple>, min_bytes: Option<usize>) -> (Option<OffsetTuple>, usize) {

@@ -2,7 +2,7 @@
 
 The probes of a long list of tensors (``TensorList.probe``, ``grads_of``) call torch's getters
 tensor by tensor; after a pass over a model's data every object those getters touch is a cache
-miss, one after the other. The Rust core prefetches them a few tensors ahead when it knows four
+miss, one after the other. The Rust core prefetches them a few tensors ahead when it knows five
 offsets of torch's private layout: in a tensor's Python object, its ``TensorImpl``; in the
 ``TensorImpl``, its storage, its autograd metadata and its version counter; in the autograd
 metadata, the gradient's ``TensorImpl``. They are found here on sample tensors made for the
