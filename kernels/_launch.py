@@ -45,6 +45,8 @@ TRITON_TYPES = {
     torch.uint8: "u8",
     torch.bool: "u1",
 }
+#: Triton's name for a pointer to each dtype's elements.
+_POINTER_TYPES = {dtype: "*" + ty for dtype, ty in TRITON_TYPES.items()}
 DIVISIBILITY = 16
 _I32 = 2**31
 _I64 = 2**63
@@ -115,6 +117,15 @@ class Launcher:
         #: Per declared parameter: (True, name) for a constexpr, (False, index among the runtime ones).
         runtime_index = {id(p): i for i, p in enumerate(self.runtime)}
         self.layout = [(True, p.name) if p.constexpr else (False, runtime_index[id(p)]) for p in self.params]
+        #: Per runtime parameter: an integer there is typed i32 when it fits (neither specialized
+        #: nor annotated), read once here rather than at every launch.
+        self.plain_ints = [not p.specialize and not p.annotation for p in self.runtime]
+        #: The constexprs' names when every runtime parameter comes first, in order (the packed
+        #: arguments are then the runtime values followed by the constexprs'); else None.
+        n = len(self.runtime)
+        head, tail = self.layout[:n], self.layout[n:]
+        in_order = [x for _, x in head] == list(range(n)) and not any(c for c, _ in head)
+        self.tail = [name for _, name in tail] if in_order and all(c for c, _ in tail) else None
         #: key -> compiled kernel, or None: launched through the JIT (see :meth:`_checked`).
         self.compiled: dict[tuple, object] = {}
         #: Launches that went straight to the compiled kernel (for tests and benches).
@@ -130,23 +141,27 @@ class Launcher:
             raise TypeError(f"{self.fn.__name__}: {len(args)} arguments for {len(self.runtime)} parameters")
         specs = []
         values = []
-        for p, a in zip(self.runtime, args, strict=True):
+        spec, value = specs.append, values.append
+        for p, plain, a in zip(self.runtime, self.plain_ints, args, strict=True):
             kind = type(a)
             if kind is Ptr:
-                specs.append(a.spec)
-                values.append(a.addr)
-            elif kind is int and not p.specialize and not p.annotation and -_I32 <= a < _I32:
-                specs.append(_I32_PLAIN)
-                values.append(a)
+                spec(a.spec)
+                value(a.addr)
+            elif kind is int and plain and -_I32 <= a < _I32:
+                spec(_I32_PLAIN)
+                value(a)
             elif isinstance(a, _Tensor):
                 addr = a.data_ptr()
-                ty = TRITON_TYPES.get(a.dtype)
-                specs.append(("*" + ty if ty else None, addr % DIVISIBILITY == 0, False))
-                values.append(addr)
+                spec((_POINTER_TYPES.get(a.dtype), addr % DIVISIBILITY == 0, False))
+                value(addr)
             else:
-                specs.append(_arg_spec(p, a))
-                values.append(a)
-        packed = [meta.get(x, _MISSING) if constexpr else values[x] for constexpr, x in self.layout]
+                spec(_arg_spec(p, a))
+                value(a)
+        if self.tail is not None:
+            values += [meta.get(x, _MISSING) for x in self.tail]
+            packed = values
+        else:
+            packed = [meta.get(x, _MISSING) if constexpr else values[x] for constexpr, x in self.layout]
         return (device, tuple(meta.items()), tuple(specs)), packed
 
     def __call__(self, grid: int, args: tuple, meta: dict, device: int):

@@ -101,6 +101,7 @@ def test_a_pointer_of_a_dtype_triton_does_not_know_is_never_launched_directly():
 
     launcher = _launch.Launcher.__new__(_launch.Launcher)
     launcher.fn, launcher.params, launcher.runtime, launcher.layout = None, [Param()], [Param()], [(False, 0)]
+    launcher.plain_ints, launcher.tail = [False], []
     key, _ = launcher.bind((torch.zeros(2, dtype=torch.complex64),), {}, 0)
     assert key[2][0][0] is None
     assert not launcher._checked(key, object())
