@@ -72,16 +72,11 @@ def accumulate_(table: ct.ChunkTable, alpha: float) -> None:
     if len(table.addrs) != 2:
         raise ValueError("gradfuse.kernels: accumulate_ needs a (dst, src) chunk table")
     alpha = float(alpha)
-    for g in table.groups:
-        ct.launch(
-            _accumulate_kernel,
-            g,
-            *table.addr_args,
-            *table.args[:3],
-            g.base,
-            ct.f64_bits(alpha),
-            DST_CODE=g.codes[0],
-            SRC_CODE=g.codes[1],
-            ALPHA_ONE=alpha == 1.0,
-            fp_fusion=False,  # d + alpha * s rounded twice, as on the CPU (module docstring)
-        )
+    one = alpha == 1.0
+
+    def make(g: ct.Group):
+        args = (*table.addr_args, *table.args[:3], g.base, ct.SLOT)
+        # fp_fusion off: d + alpha * s rounded twice, as on the CPU (module docstring).
+        return args, False, {"DST_CODE": g.codes[0], "SRC_CODE": g.codes[1], "ALPHA_ONE": one}
+
+    ct.run(table, _accumulate_kernel, (one,), make, ct.f64_bits(alpha))

@@ -19,8 +19,10 @@ None and made again) are :meth:`ChunkTable.moved`, which uploads the addresses a
 everything else. Keeping tables between calls, and keeping them alive for CUDA graphs, is the
 caller's (the package's plans); nothing here holds a tensor of the caller's.
 
-:func:`launch` runs a chunk kernel over one group, with the meta-parameters every chunk kernel
-takes, through the kernel's launcher (``_launch``).
+:func:`run` launches a chunk kernel over every group of a table, with the meta-parameters every
+chunk kernel takes, through launches prepared once per table (``_launch.Prepared``: the table's
+buffers bound once, each call binding its own few arguments); :func:`launch` makes one launch
+through the kernel's launcher (``_launch``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import struct
 
 import torch
 
-from ._launch import INTERPRET, Ptr, launcher
+from ._launch import INTERPRET, SLOT, Prepared, Ptr, launcher
 
 #: Elements per program (per chunk). 2**15 is the Rust core's segment too: 128 KiB of fp32 per
 #: program, ~3800 programs for GPT-2 124M (enough to fill an H100's 132 SMs many times over)
@@ -55,7 +57,7 @@ VEC = 16
 #: Byte alignment of a tensor's address that lets a group promise aligned accesses.
 ALIGN_BYTES = 16
 
-__all__ = ["ALIGN_BYTES", "BLOCK", "CHUNK", "FBLOCK", "INTERPRET", "NUM_WARPS", "VEC", "ChunkTable", "Group"]
+__all__ = ["ALIGN_BYTES", "BLOCK", "CHUNK", "FBLOCK", "INTERPRET", "NUM_WARPS", "SLOT", "VEC", "ChunkTable", "Group"]
 
 
 class Group:
@@ -88,6 +90,7 @@ class ChunkTable:
 
     __slots__ = (
         "_host",
+        "_prepared",
         "_scratch",
         "_scratch_args",
         "addr_args",
@@ -150,6 +153,7 @@ class ChunkTable:
         self.n_chunks = n_chunks
         self._scratch = None
         self._scratch_args = None
+        self._prepared = {}
         self._host = []
         self.addrs = [self._upload(side) for side in addrs]
         self.numel, self.first_chunk, self.chunk_count, self.chunk_tensor, self.chunk_index = (
@@ -186,9 +190,10 @@ class ChunkTable:
             return None
         other = ChunkTable.__new__(ChunkTable)
         for slot in ChunkTable.__slots__:
-            if slot not in ("addrs", "addr_args", "_host", "_scratch", "_scratch_args"):
+            if slot not in ("addrs", "addr_args", "_host", "_prepared", "_scratch", "_scratch_args"):
                 setattr(other, slot, getattr(self, slot))
-        other._host, other._scratch, other._scratch_args = [], None, None
+        # Its own prepared launches: this table's are bound to this table's addresses and scratch.
+        other._host, other._prepared, other._scratch, other._scratch_args = [], {}, None, None
         other.addrs = [other._upload(side) for side in addrs]
         other.addr_args = [Ptr(a) for a in other.addrs]
         return other
@@ -237,19 +242,22 @@ def _kinds(addrs: list[torch.Tensor], codes: list[torch.Tensor]) -> torch.Tensor
     return kinds
 
 
+_F64 = struct.Struct("<d")
+_I64 = struct.Struct("<q")
+
+
 def f64_bits(value: float) -> int:
     """``value`` as the signed int64 with its float64 bits: how an exact float64 scalar reaches a
     kernel (Triton passes Python floats as float32). Kernels decode it with ``_jit.as_f64``."""
-    return struct.unpack("<q", struct.pack("<d", value))[0]
+    return _I64.unpack(_F64.pack(value))[0]
 
 
-def launch(kernel, group: Group, *args, fp_fusion: bool = False, **meta):
-    """``kernel[(group.count,)](*args, **meta)`` plus the meta-parameters every chunk kernel
-    takes (``ALIGNED``, ``CHUNK``, ``BLOCK``, ``VEC``, the warp count, and FP fusion, stated
-    rather than defaulted: Triton >= 3.9 warns when it is unset and changes the default in
-    3.10), through the kernel's launcher (``_launch``). Returns the compiled kernel (whose ``asm``
-    the GPU tests inspect), or None when a compile hook cancelled the compile."""
-    meta = {
+def _meta(group: Group, fp_fusion: bool, meta: dict) -> dict:
+    """The meta-parameters of a chunk kernel's launch over ``group``: ``meta`` and those every
+    chunk kernel takes (``ALIGNED``, ``CHUNK``, ``BLOCK``, ``VEC``, the warp count, and FP fusion,
+    stated rather than defaulted: Triton >= 3.9 warns when it is unset and changes the default in
+    3.10)."""
+    return {
         "ALIGNED": group.aligned,
         "CHUNK": CHUNK,
         "BLOCK": BLOCK,
@@ -258,4 +266,34 @@ def launch(kernel, group: Group, *args, fp_fusion: bool = False, **meta):
         "enable_fp_fusion": fp_fusion,
         **meta,
     }
-    return launcher(kernel)(group.count, args, meta, group.device)
+
+
+def launch(kernel, group: Group, *args, fp_fusion: bool = False, **meta):
+    """``kernel[(group.count,)](*args, **meta)`` with the meta-parameters of :func:`_meta`,
+    through the kernel's launcher (``_launch``). Returns the compiled kernel (whose ``asm`` the
+    GPU tests inspect), or None when a compile hook cancelled the compile."""
+    return launcher(kernel)(group.count, args, _meta(group, fp_fusion, meta), group.device)
+
+
+#: Prepared launch sets kept per table, at most (a handful of kernels and configurations in use).
+_PREPARED_PER_TABLE = 32
+
+
+def run(table: ChunkTable, kernel, config: tuple, make, *values) -> None:
+    """Launches ``kernel`` over every group of ``table``, with ``values`` in the slots: the
+    launches are prepared (:class:`_launch.Prepared`) once per table, ``config`` (what the
+    arguments and meta-parameters depend on besides the table and the group: hashable, exact)
+    and tuning, by ``make(group) -> (args, fp_fusion, meta)``, where ``args`` holds ``SLOT`` where
+    each call's values go and otherwise the table's buffers (``Ptr``) and numbers."""
+    key = (id(kernel), config, CHUNK, BLOCK, FBLOCK, VEC, NUM_WARPS)  # the kernels live as long as the module
+    runs = table._prepared.get(key)
+    if runs is None:
+        if len(table._prepared) >= _PREPARED_PER_TABLE:
+            table._prepared.clear()  # configurations that keep changing (a norm type per call): bounded
+        runs = []
+        for g in table.groups:
+            args, fp_fusion, meta = make(g)
+            runs.append(Prepared(launcher(kernel), g.count, args, _meta(g, fp_fusion, meta), g.device))
+        table._prepared[key] = runs
+    for prepared in runs:
+        prepared(*values)

@@ -40,14 +40,8 @@ def _clamp_kernel(
 
 def clamp_(table: ct.ChunkTable, lo: float, hi: float) -> None:
     """Clamps every tensor of ``table`` to ``[lo, hi]`` in place."""
-    for g in table.groups:
-        ct.launch(
-            _clamp_kernel,
-            g,
-            table.addr_args[0],
-            *table.args[:3],
-            g.base,
-            ct.f64_bits(float(lo)),
-            ct.f64_bits(float(hi)),
-            CODE=g.codes[0],
-        )
+
+    def make(g: ct.Group):
+        return (table.addr_args[0], *table.args[:3], g.base, ct.SLOT, ct.SLOT), False, {"CODE": g.codes[0]}
+
+    ct.run(table, _clamp_kernel, (), make, ct.f64_bits(float(lo)), ct.f64_bits(float(hi)))

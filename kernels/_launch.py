@@ -106,6 +106,22 @@ def _arg_spec(param: _Param, arg) -> tuple:
     return (None, False, False)
 
 
+def _bind_arg(param: _Param, plain_int: bool, arg) -> tuple[tuple, object]:
+    """``(spec, value)`` of one runtime argument: its specialization (:func:`_arg_spec`; a
+    pointer's alignment from its address) and the value the compiled kernel's launcher takes (a
+    pointer as its integer address). ``plain_int``: an integer there is typed i32 when it fits
+    (the parameter is neither specialized nor annotated)."""
+    kind = type(arg)
+    if kind is Ptr:
+        return arg.spec, arg.addr
+    if kind is int and plain_int and -_I32 <= arg < _I32:
+        return _I32_PLAIN, arg
+    if isinstance(arg, _Tensor):
+        addr = arg.data_ptr()
+        return (_POINTER_TYPES.get(arg.dtype), addr % DIVISIBILITY == 0, False), addr
+    return _arg_spec(param, arg), arg
+
+
 class Launcher:
     """The compiled specializations of one ``@triton.jit`` kernel and their direct launches."""
 
@@ -126,8 +142,12 @@ class Launcher:
         head, tail = self.layout[:n], self.layout[n:]
         in_order = [x for _, x in head] == list(range(n)) and not any(c for c, _ in head)
         self.tail = [name for _, name in tail] if in_order and all(c for c, _ in tail) else None
+        #: Per runtime parameter, its position among the declared ones (in the packed arguments).
+        self.packed_pos = [j for j, (constexpr, _) in enumerate(self.layout) if not constexpr]
         #: key -> compiled kernel, or None: launched through the JIT (see :meth:`_checked`).
         self.compiled: dict[tuple, object] = {}
+        #: Bumped when ``compiled`` is cleared: what a :class:`Prepared` launch kept is then forgotten.
+        self.generation = 0
         #: Launches that went straight to the compiled kernel (for tests and benches).
         self.direct = 0
 
@@ -139,30 +159,15 @@ class Launcher:
         them (pointers as integers, constexpr slots with their values, which it skips)."""
         if len(args) != len(self.runtime):
             raise TypeError(f"{self.fn.__name__}: {len(args)} arguments for {len(self.runtime)} parameters")
-        specs = []
-        values = []
-        spec, value = specs.append, values.append
-        for p, plain, a in zip(self.runtime, self.plain_ints, args, strict=True):
-            kind = type(a)
-            if kind is Ptr:
-                spec(a.spec)
-                value(a.addr)
-            elif kind is int and plain and -_I32 <= a < _I32:
-                spec(_I32_PLAIN)
-                value(a)
-            elif isinstance(a, _Tensor):
-                addr = a.data_ptr()
-                spec((_POINTER_TYPES.get(a.dtype), addr % DIVISIBILITY == 0, False))
-                value(addr)
-            else:
-                spec(_arg_spec(p, a))
-                value(a)
+        bound = list(map(_bind_arg, self.runtime, self.plain_ints, args))
+        specs = tuple(spec for spec, _ in bound)
+        values = [value for _, value in bound]
         if self.tail is not None:
             values += [meta.get(x, _MISSING) for x in self.tail]
             packed = values
         else:
             packed = [meta.get(x, _MISSING) if constexpr else values[x] for constexpr, x in self.layout]
-        return (device, tuple(meta.items()), tuple(specs)), packed
+        return (device, tuple(meta.items()), specs), packed
 
     def __call__(self, grid: int, args: tuple, meta: dict, device: int):
         """Launches ``fn[(grid,)](*args, **meta)``: ``args`` are the runtime arguments in order
@@ -230,6 +235,92 @@ class Launcher:
         return True
 
 
+#: Marks an argument of a :class:`Prepared` launch that each call gives.
+SLOT = type("Slot", (), {"__repr__": lambda self: "SLOT", "__slots__": ()})()
+_FIXED_TYPES = (Ptr, int, float, bool)
+
+
+class Prepared:
+    """One launch of a kernel, on one grid and device with one set of meta-parameters, whose
+    arguments are known but for a few (``SLOT`` in ``args``) that each call gives: the known ones
+    (chunk-table buffers as :class:`Ptr`, numbers; never a tensor, whose address may change) are
+    bound once, so that a call binds its own arguments alone, looks the specialization up by
+    their specs alone, and launches it directly (:meth:`Launcher.__call__`'s rules: the first call
+    of each specialization, every call under the interpreter or while a launch hook is set, and a
+    specialization the check refused, go through :meth:`Launcher.__call__`)."""
+
+    __slots__ = (
+        "args", "device", "generation", "grid", "kernels", "launcher", "meta", "packed", "slot_params",
+        "slot_plain", "slot_pos",
+    )  # fmt: skip
+
+    def __init__(self, launcher: Launcher, grid: int, args: tuple, meta: dict, device: int):
+        if not all(a is SLOT or type(a) in _FIXED_TYPES for a in args):
+            raise TypeError(f"{launcher.fn.__name__}: a prepared launch's fixed arguments are Ptr or numbers")
+        self.launcher, self.grid, self.args, self.meta, self.device = launcher, grid, tuple(args), meta, device
+        slots = [i for i, a in enumerate(args) if a is SLOT]
+        if INTERPRET:  # every launch through the JIT: nothing is bound
+            self.slot_params, self.slot_plain, self.slot_pos, self.packed = [None] * len(slots), [], slots, None
+        else:
+            if len(args) != len(launcher.runtime):
+                raise TypeError(f"{launcher.fn.__name__}: {len(args)} arguments for {len(launcher.runtime)} parameters")
+            #: Per slot: its runtime parameter, whether an integer there is a plain i32, and its
+            #: position in the packed arguments.
+            self.slot_params = [launcher.runtime[i] for i in slots]
+            self.slot_plain = [launcher.plain_ints[i] for i in slots]
+            self.slot_pos = [launcher.packed_pos[i] for i in slots]
+            self.packed = launcher.bind(tuple(0 if a is SLOT else a for a in args), meta, device)[1]
+        #: The slots' specs -> the compiled kernel (None: through the JIT), as ``launcher.compiled``
+        #: holds it for the whole key.
+        self.kernels: dict[tuple, object] = {}
+        self.generation = launcher.generation
+
+    def __call__(self, *values):
+        """Launches with ``values`` in the slots, in order; returns what :meth:`Launcher.__call__`
+        returns."""
+        if len(values) != len(self.slot_pos):
+            raise TypeError(f"{self.launcher.fn.__name__}: {len(values)} values for {len(self.slot_pos)} slots")
+        launcher = self.launcher
+        if INTERPRET:
+            return launcher(self.grid, self._args(values), self.meta, self.device)
+        if self.generation != launcher.generation:
+            self.kernels.clear()
+            self.generation = launcher.generation
+        specs = []
+        packed = self.packed.copy()
+        for p, plain, pos, a in zip(self.slot_params, self.slot_plain, self.slot_pos, values, strict=True):
+            if isinstance(a, _Tensor):  # the usual slot: a tensor made for the call
+                addr = packed[pos] = a.data_ptr()
+                specs.append((_POINTER_TYPES.get(a.dtype), addr % DIVISIBILITY == 0, False))
+            else:
+                spec, packed[pos] = _bind_arg(p, plain, a)
+                specs.append(spec)
+        specs = tuple(specs)
+        compiled = self.kernels.get(specs, _MISSING)
+        if compiled is _MISSING or compiled is None or not _hooks_unset():
+            return self._through_launcher(specs, values)
+        launch(compiled, self.grid, packed, self.device)
+        launcher.direct += 1
+        return compiled
+
+    def _args(self, values: tuple) -> tuple:
+        """Every runtime argument: the fixed ones with ``values`` in the slots."""
+        it = iter(values)
+        return tuple(next(it) if a is SLOT else a for a in self.args)
+
+    def _through_launcher(self, specs: tuple, values: tuple):
+        """The launch by :meth:`Launcher.__call__` (which compiles, checks and keeps the
+        specialization), and what it decided kept for these specs."""
+        args = self._args(values)
+        compiled = self.launcher(self.grid, args, self.meta, self.device)
+        if specs not in self.kernels:
+            key, _ = self.launcher.bind(args, self.meta, self.device)
+            decided = self.launcher.compiled.get(key, _MISSING)
+            if decided is not _MISSING:
+                self.kernels[specs] = decided
+        return compiled
+
+
 def _is_divisibility(attr) -> bool:
     return (
         isinstance(attr, list | tuple) and len(attr) == 2 and attr[0] == "tt.divisibility" and attr[1] == DIVISIBILITY
@@ -256,16 +347,18 @@ _MISSING = object()
 
 def _hooks_unset() -> bool:
     """Whether no launch hook is set: None, or (Triton 3.6-3.9) an empty ``HookChain``."""
-    runtime = _runtime_knobs()
-    return _unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook)
+    runtime = _KNOBS[0] if _KNOBS else _runtime_knobs()
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if enter is None and exit_ is None:
+        return True
+    return _unset(enter) and _unset(exit_)
 
 
 def _runtime_knobs():
-    if not _KNOBS:
-        from triton import knobs
+    from triton import knobs
 
-        _KNOBS.append(knobs.runtime)
-    return _KNOBS[0]
+    _KNOBS.append(knobs.runtime)
+    return knobs.runtime
 
 
 _KNOBS: list = []
@@ -290,10 +383,12 @@ _LAUNCHERS: dict = {}
 
 
 def launcher(fn) -> Launcher:
-    """The launcher of ``fn`` (one per kernel, made on first use)."""
-    found = _LAUNCHERS.get(fn)
+    """The launcher of ``fn`` (one per kernel, made on first use; kept by the kernel's id, which
+    the launcher's reference to it keeps from being reused: a ``JITFunction`` hashes its source's
+    cache key, ~0.5 us)."""
+    found = _LAUNCHERS.get(id(fn))
     if found is None:
-        found = _LAUNCHERS[fn] = Launcher(fn)
+        found = _LAUNCHERS[id(fn)] = Launcher(fn)
     return found
 
 
@@ -301,3 +396,4 @@ def clear() -> None:
     """Forgets every kept specialization (Triton keeps its own compiled kernels)."""
     for found in _LAUNCHERS.values():
         found.compiled.clear()
+        found.generation += 1

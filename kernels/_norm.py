@@ -274,31 +274,28 @@ def multi_tensor_norm(
         raise ValueError(f"gradfuse.kernels: per-tensor output has {per.numel()} elements for {table.n_tensors}")
     if found_mode != FOUND_NONE and (inv_scale is None or found_inf is None):
         raise ValueError("gradfuse.kernels: the unscaling norm needs inv_scale and found_inf")
-    scratch = table.scratch_args()
     write_per = per is not None
+    p_bits = ct.f64_bits(norm_type)
+
+    def make(g: ct.Group):
+        args = (
+            table.addr_args[0], *table.args, *table.scratch_args(), ct.SLOT, ct.SLOT, ct.SLOT, ct.SLOT, g.base,
+            table.n_tensors, table.n_chunks, p_bits,
+        )  # fmt: skip
+        meta = dict(
+            CODE=g.codes[0], KIND=kind, PER_TENSOR=write_per or kind == ZERO, WRITE_PER=write_per, FOUND=found_mode,
+            LIBDEVICE=not INTERPRET, FBLOCK=ct.FBLOCK,
+        )  # fmt: skip
+        return args, True, meta  # acc + u * u may become one FMA (more accurate, never less)
+
     dummy = total
-    for g in table.groups:
-        ct.launch(
-            _norm_kernel,
-            g,
-            table.addr_args[0],
-            *table.args,
-            *scratch,
-            total,
-            per if write_per else dummy,
-            inv_scale if inv_scale is not None else dummy,
-            found_inf if found_inf is not None else dummy,
-            g.base,
-            table.n_tensors,
-            table.n_chunks,
-            ct.f64_bits(norm_type),
-            CODE=g.codes[0],
-            KIND=kind,
-            PER_TENSOR=write_per or kind == ZERO,
-            WRITE_PER=write_per,
-            FOUND=found_mode,
-            LIBDEVICE=not INTERPRET,
-            FBLOCK=ct.FBLOCK,
-            # acc + u * u may become one FMA (more accurate, never less).
-            fp_fusion=True,
-        )
+    ct.run(
+        table,
+        _norm_kernel,
+        (p_bits, write_per, found_mode),
+        make,
+        total,
+        per if write_per else dummy,
+        inv_scale if inv_scale is not None else dummy,
+        found_inf if found_inf is not None else dummy,
+    )

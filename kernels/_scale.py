@@ -103,23 +103,13 @@ def multi_tensor_scale_(
     ``factor`` (as the table's codes). One launch per table group."""
     if mode == UNSCALE_CLIP and inv_scale is None:
         raise ValueError("gradfuse.kernels: UNSCALE_CLIP needs inv_scale")
-    if mode == SCALE:
-        max_norm_bits = eps_bits = 0
-    else:
-        max_norm_bits = ct.f64_bits(float(max_norm))
-        eps_bits = ct.f64_bits(1e-6)
-    for g in table.groups:
-        ct.launch(
-            _scale_kernel,
-            g,
-            table.addr_args[0],
-            *table.args[:3],
-            factor,
-            inv_scale if inv_scale is not None else factor,
-            g.base,
-            max_norm_bits,
-            eps_bits,
-            CODE=g.codes[0],
-            MODE=mode,
-            FACTOR_CODE=code,
-        )
+    clips = mode != SCALE
+    eps_bits = ct.f64_bits(1e-6) if clips else 0
+
+    def make(g: ct.Group):
+        args = (table.addr_args[0], *table.args[:3], ct.SLOT, ct.SLOT, g.base, ct.SLOT, eps_bits)
+        return args, False, {"CODE": g.codes[0], "MODE": mode, "FACTOR_CODE": code}
+
+    max_norm_bits = ct.f64_bits(float(max_norm)) if clips else 0
+    unscale = inv_scale if inv_scale is not None else factor
+    ct.run(table, _scale_kernel, (mode, code), make, factor, unscale, max_norm_bits)

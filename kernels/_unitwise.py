@@ -66,13 +66,8 @@ def scale_units_(table: ct.ChunkTable, factors: torch.Tensor) -> None:
     """``x *= factors[u]`` for every element of unit ``u`` of a row plan's table."""
     if factors.numel() != table.n_tensors:
         raise ValueError(f"gradfuse.kernels: {factors.numel()} factors for {table.n_tensors} units")
-    for g in table.groups:
-        ct.launch(
-            _scale_units_kernel,
-            g,
-            table.addr_args[0],
-            *table.args[:3],
-            factors,
-            g.base,
-            CODE=g.codes[0],
-        )
+
+    def make(g: ct.Group):
+        return (table.addr_args[0], *table.args[:3], ct.SLOT, g.base), False, {"CODE": g.codes[0]}
+
+    ct.run(table, _scale_units_kernel, (), make, factors)

@@ -61,14 +61,8 @@ def unscale_and_check_(table: ct.ChunkTable, inv_scale: torch.Tensor, found_inf:
     was inf or NaN. ``inv_scale`` and ``found_inf`` are one-element float32 tensors."""
     if inv_scale.dtype != torch.float32 or found_inf.dtype != torch.float32:
         raise TypeError("gradfuse.kernels: inv_scale and found_inf must be float32")
-    for g in table.groups:
-        ct.launch(
-            _unscale_kernel,
-            g,
-            table.addr_args[0],
-            *table.args[:3],
-            inv_scale,
-            found_inf,
-            g.base,
-            CODE=g.codes[0],
-        )
+
+    def make(g: ct.Group):
+        return (table.addr_args[0], *table.args[:3], ct.SLOT, ct.SLOT, g.base), False, {"CODE": g.codes[0]}
+
+    ct.run(table, _unscale_kernel, (), make, inv_scale, found_inf)

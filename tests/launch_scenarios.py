@@ -201,11 +201,90 @@ def scenario_specialized_integers():
     ok = len(LAUNCHED) == before + 1 and LAUNCHED[-1][0] is compiled[17][1] and LAUNCHED[-1][2][1] == 33
     check("integers: n=33 launches the n=17 kernel directly, with 33", ok)
 
+    # A prepared launch with n in a slot takes, per call, the kernel of n's own specialization.
+    prepared = _launch.Prepared(launcher, 1, (_launch.Ptr(x), ct.SLOT, 3), meta, 0)
+    for n, like in ((17, 17), (33, 17), (32, 16), (1, 1), (49, 17), (16, 16)):
+        before = len(LAUNCHED)
+        prepared(n)
+        ok = len(LAUNCHED) == before + 1 and LAUNCHED[-1][0] is compiled[like][1] and LAUNCHED[-1][2][1] == n
+        check(f"integers: a prepared launch with n={n} launches the n={like} kernel, with {n}", ok)
+
     unspecialized = _launch.launcher(_probe_kernel_no_spec)
     key_m1, _, ok = first_launch(unspecialized, 1, (x, 17, 1), meta, _probe_kernel_no_spec)
     check("integers: a do_not_specialize integer equal to 1 is no constant", ok)
     key_m16, _ = unspecialized.bind((x, 17, 16), meta, 0)
     check("integers: nor does divisibility by 16 make another key", key_m16 == key_m1)
+
+
+def scenario_prepared_launch():
+    """A prepared launch (what ``ct.run`` makes per table): the table's arguments bound once, each
+    call's own at the call. Its direct launches pass what the launcher's own would, under the same
+    key rules; a call whose own arguments need another specialization is not launched with this
+    one, nor is any call once the kept specializations are cleared."""
+    launcher = _launch.launcher(_scale._scale_kernel)
+    tensors = [torch.zeros(40), torch.zeros(9)]
+    table = ChunkTable(torch.device("cpu"), [[t.data_ptr() for t in tensors]], [40, 9], [bytes([0, 0])])
+    (group,) = table.groups
+    meta = ct._meta(group, False, {"CODE": 0, "MODE": _scale.CLIP, "FACTOR_CODE": 0})
+    fixed = (table.addr_args[0], *table.args[:3], ct.SLOT, ct.SLOT, group.base, ct.SLOT, ct.f64_bits(1e-6))
+    prepared = _launch.Prepared(launcher, group.count, fixed, meta, 0)
+    factor = torch.full((), 0.5)
+    values = (factor, factor, ct.f64_bits(1.0))
+    _, compiled, ok = first_launch(launcher, group.count, prepared._args(values), meta, _scale._scale_kernel)
+    check("prepared: the key of its arguments says what Triton compiled", ok)
+
+    before = len(LAUNCHED)
+    prepared(*values)  # the launcher's direct launch, which the prepared launch then keeps
+    other = torch.full((), 0.25)
+    values = (other, other, ct.f64_bits(2.0))
+    direct = launcher.direct
+    prepared(*values)
+    ok = len(LAUNCHED) == before + 2 and LAUNCHED[-1][0] is compiled and launcher.direct == direct + 1
+    check("prepared: a later call with other arguments of the same kinds launches directly", ok)
+    want = launcher.bind(prepared._args(values), meta, 0)[1] if LAUNCHED else None
+    check("prepared: it passes what the launcher's own launch would", LAUNCHED and LAUNCHED[-1][2] == want)
+    pointers = {0: table.addrs[0], 1: table.numel, 2: table.chunk_tensor, 3: table.chunk_index, 4: other, 5: other}
+    problems = packed_matches_signature(compiled, LAUNCHED[-1][2], pointers) if LAUNCHED else ["no launch"]
+    check("prepared: the packed arguments match the compiled signature", not problems, problems)
+
+    unaligned = torch.zeros(2)[1:].fill_(0.5)
+    before = len(LAUNCHED)
+    RECORDED.clear()
+    prepared(unaligned, unaligned, ct.f64_bits(1.0))
+    check(
+        "prepared: an unaligned factor after aligned ones is not launched with their kernel",
+        len(LAUNCHED) == before and len(RECORDED) == 1,
+        (len(LAUNCHED) - before, len(RECORDED)),
+    )
+    before = len(LAUNCHED)
+    prepared(factor, factor, ct.f64_bits(1.1))  # max_norm_bits is not specialized: any value
+    ok = len(LAUNCHED) == before + 1 and LAUNCHED[-1][0] is compiled and LAUNCHED[-1][2][7] == ct.f64_bits(1.1)
+    check("prepared: another value of an unspecialized integer launches directly, with that value", ok)
+
+    for name, bad in (
+        (
+            "a tensor among the fixed arguments",
+            lambda: _launch.Prepared(launcher, 1, (tensors[0], *fixed[1:]), meta, 0),
+        ),
+        ("a call with too few values", lambda: prepared(factor, factor)),
+    ):
+        try:
+            bad()
+        except TypeError:
+            check(f"prepared: {name} raises", True)
+        else:
+            check(f"prepared: {name} raises", False, "no TypeError")
+
+    # Last: clearing forgets every kept specialization, the launchers' and the prepared launches'.
+    _launch.clear()
+    before = len(LAUNCHED)
+    RECORDED.clear()
+    prepared(*values)
+    check(
+        "prepared: after clear() a call goes through the JIT again",
+        len(LAUNCHED) == before and len(RECORDED) == 1,
+        (len(LAUNCHED) - before, len(RECORDED)),
+    )
 
 
 def main() -> None:
@@ -215,6 +294,7 @@ def main() -> None:
     check("this Triton's launch call is known", _launch._SHAPE_KNOWN)
     scenario_scale_kernel()
     scenario_specialized_integers()
+    scenario_prepared_launch()
     json.dump({"triton": triton.__version__, "checks": CHECKS}, sys.stdout)
 
 

@@ -52,6 +52,15 @@ EXPECTED = [
     "integers: n=33 launches the n=17 kernel directly, with 33",
     "integers: a do_not_specialize integer equal to 1 is no constant",
     "integers: nor does divisibility by 16 make another key",
+    "prepared: the key of its arguments says what Triton compiled",
+    "prepared: a later call with other arguments of the same kinds launches directly",
+    "prepared: it passes what the launcher's own launch would",
+    "prepared: the packed arguments match the compiled signature",
+    "prepared: an unaligned factor after aligned ones is not launched with their kernel",
+    "prepared: another value of an unspecialized integer launches directly, with that value",
+    "prepared: a tensor among the fixed arguments raises",
+    "prepared: a call with too few values raises",
+    "prepared: after clear() a call goes through the JIT again",
 ]
 
 

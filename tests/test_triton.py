@@ -36,6 +36,7 @@ import gradfuse
 from gradfuse import _plan, _rust, _triton
 from gradfuse._plan import DTYPE_CODES, make_plan
 from gradfuse.kernels import _chunk_table as ct
+from gradfuse.kernels import _launch
 from reference import (
     ACCUMULATE_PAIRS,
     FLOAT_DTYPES,
@@ -577,13 +578,14 @@ def test_launch_counts(monkeypatch):
     """clip_grad_norm_ is two launches per dtype group (norm with fused finalize, then scale),
     whatever the number of tensors; the other ops one per group per pass."""
     calls = []
-    real = ct.launch
+    real = _launch.Launcher.__call__
 
-    def counting(kernel, grid, *args, **meta):
-        calls.append(kernel)
-        return real(kernel, grid, *args, **meta)
+    def counting(self, grid, args, meta, device):
+        calls.append(self.fn)
+        return real(self, grid, args, meta, device)
 
-    monkeypatch.setattr(ct, "launch", counting)
+    # Every launch under the interpreter, prepared (ct.run) or not (ct.launch), is a launcher's.
+    monkeypatch.setattr(_launch.Launcher, "__call__", counting)
     grads = [rand(n, torch.float32) for n in (3, CHUNK + 1, 40, 7, 200)]
     gradfuse.clip_grad_norm_(params_of(grads), 1e-3)
     assert len(calls) == 2
