@@ -175,6 +175,22 @@ def test_a_gradient_its_weight_no_longer_splits_into_units_is_refused(backend, r
     assert torch.equal(ok.grad, before[0]) and torch.equal(p.grad, before[1])
 
 
+def test_parameters_on_two_devices_whose_total_cannot_be_formed_modify_nothing():
+    """Parameters on the CPU and on meta: the CPU's units are measured, but the total cannot be
+    formed (a meta norm has no value to bring to the CPU), so the call raises before any device's
+    gradients are written (it used to clip the CPU's first)."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5, device="meta"))]
+    ps.append(torch.nn.Parameter(torch.randn(3, 2)))
+    for p in ps:
+        p.grad = torch.randn_like(p) * 10  # every CPU unit above its threshold
+    before = [p.grad.clone() for p in ps if p.device.type == "cpu"]
+    with pytest.raises(NotImplementedError, match="meta"):
+        adaptive_clip_grad_(ps, clip_factor=0.01)
+    after = [p.grad for p in ps if p.device.type == "cpu"]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
 def test_opcheck_unit_ops():
     tensors = [torch.randn(3, 4), torch.randn(0), torch.randn(5).bfloat16()]
     torch.library.opcheck(torch.ops.gradfuse.unit_norms.default, (tensors, [3, 0, 1], 2.0))

@@ -48,17 +48,15 @@ def _units(p: Tensor) -> int:
 
 
 _grad = attrgetter("grad")
-_device = attrgetter("device")
 _shape = attrgetter("shape")
 #: Units per list of parameter shapes (bounded): AGC's units follow the shapes alone.
 _UNITS: dict[tuple, list[int]] = {}
 
 
-def _units_of(params: list[Tensor]) -> list[int]:
+def _units_of(shapes: tuple) -> list[int]:
     """Each parameter's number of units (its rows: ``shape[0]``, or 1 for at most one
-    dimension), by its shape; kept per list of shapes, so that a later call maps the shapes
+    dimension), from its shape; kept per tuple of shapes, so that a later call maps the shapes
     alone (C-level) and looks them up."""
-    shapes = tuple(map(_shape, params))
     units = _UNITS.get(shapes)
     if units is None:
         if len(_UNITS) >= 16:
@@ -76,8 +74,9 @@ def adaptive_clip_grad_(parameters, clip_factor: float = 0.01, eps: float = 1e-3
 def _agc(parameters, clip_factor, eps, norm_type, inv_scale: Tensor | None):
     """``(total norm, {device: found_inf})``. With ``inv_scale`` the gradients are loss-scaled:
     the rule applies to ``grad * inv_scale``, and the one write leaves ``grad * inv_scale *
-    factor`` (unscale and clip together); ``found_inf`` (0-d float32 per device) says whether
-    any unit norm, hence any element, was inf or NaN."""
+    factor`` (unscale and clip together); ``found_inf`` (0-d float32 per device, with
+    ``inv_scale`` only: empty without) says whether any unit norm, hence any element, was inf or
+    NaN."""
     norm_type = P.check_norm_type("gradfuse.adaptive_clip_grad_", norm_type)
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     # C-level maps over the parameters: no Python statement per parameter.
@@ -90,40 +89,56 @@ def _agc(parameters, clip_factor, eps, norm_type, inv_scale: Tensor | None):
     if D.is_dtensor(grads[0]):  # FSDP2: from the local shards
         with ops.no_grad():
             return _agc_sharded(params, clip_factor, eps, norm_type, inv_scale)
-    if len(set(map(_device, grads))) == 1:
-        by_device = {grads[0].device: (params, grads)}
-    else:
-        by_device = {}
-        for p, g in zip(params, grads, strict=True):
-            ps, gs = by_device.setdefault(g.device, ([], []))
-            ps.append(p)
-            gs.append(g)
-    totals, found = [], {}
     with ops.no_grad():
-        for device, (weights, grads) in by_device.items():
-            # The parameters themselves are the weights: the kernels read their memory (a
-            # detached view per parameter would cost a tensor each).
-            units = _units_of(weights)
-            if list(map(_shape, grads)) != list(map(_shape, weights)):
-                # A weight re-pointed (.data =) to another shape since its gradient: the units
-                # of its shape may not split the gradient. Before any pass (C-level maps when not).
-                _check_units("gradfuse.adaptive_clip_grad_", grads, units)
-            norms = ops.unit_norms_op(weights + grads, units + units, norm_type)
-            w_norm, g_norm = norms.split(sum(units))
-            if inv_scale is not None:
-                g_norm = g_norm * inv_scale.to(device, g_norm.dtype)
-            factors = _factors(w_norm, g_norm, clip_factor, eps)
-            if inv_scale is not None:
-                factors = factors * inv_scale.to(device, factors.dtype)
-            ops.scale_units_op(grads, units, factors)
-            totals.append(torch.linalg.vector_norm(g_norm, norm_type))
-            found[device] = (~torch.isfinite(g_norm).all()).float()
+        try:
+            # One device first, unchecked: the unit-norm pass refuses tensors on several devices
+            # (MixedDevicesError) before anything is written.
+            return _agc_by_device({grads[0].device: (params, grads)}, clip_factor, eps, norm_type, inv_scale)
+        except P.MixedDevicesError:
+            by_device: dict[torch.device, tuple[list[Tensor], list[Tensor]]] = {}
+            for p, g in zip(params, grads, strict=True):
+                ps, gs = by_device.setdefault(g.device, ([], []))
+                ps.append(p)
+                gs.append(g)
+            return _agc_by_device(by_device, clip_factor, eps, norm_type, inv_scale)
+
+
+def _agc_by_device(by_device: dict, clip_factor, eps, norm_type, inv_scale: Tensor | None):
+    """``_agc`` for parameters grouped by device: every device's unit norms and factors first,
+    then the total, then (nothing having raised) every device's write."""
+    totals, found, writes = [], {}, []
+    for device, (weights, grads) in by_device.items():
+        # The parameters themselves are the weights: the kernels read their memory (a detached
+        # view per parameter would cost a tensor each).
+        shapes = tuple(map(_shape, weights))
+        units = _units_of(shapes)
+        if tuple(map(_shape, grads)) != shapes:
+            # A weight re-pointed (.data =) to another shape since its gradient: the units of its
+            # shape may not split the gradient. Before any pass (C-level maps when not).
+            _check_units("gradfuse.adaptive_clip_grad_", grads, units)
+        norms = ops.unit_norms_op(weights + grads, units + units, norm_type)
+        w_norm, g_norm = norms.split(sum(units))
+        if inv_scale is not None:
+            inv = inv_scale.to(device, g_norm.dtype)
+            g_norm = g_norm * inv
+        factors = _factors(w_norm, g_norm, clip_factor, eps)
+        if inv_scale is not None:
+            factors.mul_(inv)
+            found[device] = (~torch.isfinite(g_norm).all()).float()  # only the scaler's callers read it
+        writes.append((grads, units, factors))
+        totals.append(torch.linalg.vector_norm(g_norm, norm_type))
     first = totals[0].device
     total = (
         totals[0]
         if len(totals) == 1
         else torch.linalg.vector_norm(torch.stack([t.to(first) for t in totals]), norm_type)
     )
+    if len(writes) > 1:  # what would stop a later device's write, found before the first's
+        for grads, _, _ in writes:
+            P.check_disjoint("gradfuse.adaptive_clip_grad_", "grads", grads)
+            P.check_writable(grads)
+    for grads, units, factors in writes:
+        ops.scale_units_op(grads, units, factors)
     return total, found
 
 
