@@ -178,6 +178,10 @@ class Launcher:
         if INTERPRET:
             return self._jit(grid, args, meta)
         key, packed = self.bind(args, meta, device)
+        return self._launch_bound(grid, args, meta, device, key, packed)
+
+    def _launch_bound(self, grid: int, args: tuple, meta: dict, device: int, key: tuple, packed: list):
+        """:meth:`__call__` for arguments already bound (``key``, ``packed``: :meth:`bind`'s)."""
         compiled = self.compiled.get(key, _MISSING)
         if compiled is _MISSING:
             compiled = self._jit(grid, args, meta)
@@ -311,11 +315,11 @@ class Prepared:
     def _through_launcher(self, specs: tuple, values: tuple):
         """The launch by :meth:`Launcher.__call__` (which compiles, checks and keeps the
         specialization), and what it decided kept for these specs."""
-        args = self._args(values)
-        compiled = self.launcher(self.grid, args, self.meta, self.device)
+        launcher, args = self.launcher, self._args(values)
+        key, packed = launcher.bind(args, self.meta, self.device)
+        compiled = launcher._launch_bound(self.grid, args, self.meta, self.device, key, packed)
         if specs not in self.kernels:
-            key, _ = self.launcher.bind(args, self.meta, self.device)
-            decided = self.launcher.compiled.get(key, _MISSING)
+            decided = launcher.compiled.get(key, _MISSING)
             if decided is not _MISSING:
                 self.kernels[specs] = decided
         return compiled
