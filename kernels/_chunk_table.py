@@ -196,7 +196,24 @@ class ChunkTable:
         other._host, other._prepared, other._scratch, other._scratch_args = [], {}, None, None
         other.addrs = [other._upload(side) for side in addrs]
         other.addr_args = [Ptr(a) for a in other.addrs]
+        if self._prepared:
+            other._move_prepared(self)
         return other
+
+    def _move_prepared(self, old: ChunkTable) -> None:
+        """``old``'s prepared launches, on this table's addresses and scratch buffers (a gradient
+        list made again at other addresses every step keeps its launches bound: ~1 us a launch
+        where preparing anew binds every argument twice)."""
+        replace = {id(a): b for a, b in zip(old.addr_args, self.addr_args, strict=True)}
+        allowed = {id(p) for p in (*self.args, *self.addr_args)}
+        if old._scratch_args is not None:
+            scratch = self.scratch_args()
+            replace.update(zip(map(id, old._scratch_args), scratch, strict=True))
+            allowed.update(map(id, scratch))
+        for key, runs in old._prepared.items():
+            moved = [prepared.moved(replace, allowed) for prepared in runs]
+            if all(moved):
+                self._prepared[key] = moved
 
     def scratch_args(self) -> tuple[Ptr, Ptr, Ptr]:
         """:meth:`scratch` as launch arguments."""

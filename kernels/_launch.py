@@ -307,6 +307,29 @@ class Prepared:
         launcher.direct += 1
         return compiled
 
+    def moved(self, replace: dict[int, Ptr], allowed: set[int]) -> Prepared | None:
+        """This launch with the fixed :class:`Ptr` arguments ``replace`` names (by id) replaced by
+        theirs (another table's buffers: the same kernel and specializations, other addresses),
+        or None when a replacement's spec differs, or a fixed ``Ptr`` left is not one of
+        ``allowed`` (ids): it would launch on a buffer that is not the new table's."""
+        args = list(self.args)
+        packed = None if self.packed is None else self.packed.copy()
+        for i, a in enumerate(args):
+            if type(a) is not Ptr:
+                continue
+            new = replace.get(id(a), a)
+            if id(new) not in allowed or new.spec != a.spec:
+                return None
+            args[i] = new
+            if packed is not None:
+                packed[self.launcher.packed_pos[i]] = new.addr
+        other = Prepared.__new__(Prepared)
+        for slot in Prepared.__slots__:
+            setattr(other, slot, getattr(self, slot))
+        # The kept specializations are shared: the same launcher, meta and specs, so the same keys.
+        other.args, other.packed = tuple(args), packed
+        return other
+
     def _args(self, values: tuple) -> tuple:
         """Every runtime argument: the fixed ones with ``values`` in the slots."""
         it = iter(values)

@@ -275,6 +275,21 @@ def scenario_prepared_launch():
         else:
             check(f"prepared: {name} raises", False, "no TypeError")
 
+    # Moved to a table of the same tensors at other addresses: launched directly, on the new ones.
+    others = [torch.zeros(40), torch.zeros(9)]
+    moved_table = table.moved([[t.data_ptr() for t in others]])
+    replace = {id(table.addr_args[0]): moved_table.addr_args[0]}
+    allowed = {id(p) for p in (*moved_table.args, *moved_table.addr_args)}
+    moved = prepared.moved(replace, allowed)
+    before = len(LAUNCHED)
+    if moved is not None:
+        moved(*values)
+    ok = moved is not None and len(LAUNCHED) == before + 1 and LAUNCHED[-1][0] is compiled
+    check("prepared: moved to another table it launches directly", ok)
+    want = launcher.bind(moved._args(values), meta, 0)[1] if ok else None
+    ok = ok and LAUNCHED[-1][2] == want and LAUNCHED[-1][2][0] == moved_table.addrs[0].data_ptr()
+    check("prepared: moved, it passes the new table's addresses", ok)
+
     # Last: clearing forgets every kept specialization, the launchers' and the prepared launches'.
     _launch.clear()
     before = len(LAUNCHED)

@@ -60,6 +60,8 @@ EXPECTED = [
     "prepared: another value of an unspecialized integer launches directly, with that value",
     "prepared: a tensor among the fixed arguments raises",
     "prepared: a call with too few values raises",
+    "prepared: moved to another table it launches directly",
+    "prepared: moved, it passes the new table's addresses",
     "prepared: after clear() a call goes through the JIT again",
 ]
 

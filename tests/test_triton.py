@@ -36,7 +36,7 @@ import gradfuse
 from gradfuse import _plan, _rust, _triton
 from gradfuse._plan import DTYPE_CODES, make_plan
 from gradfuse.kernels import _chunk_table as ct
-from gradfuse.kernels import _launch
+from gradfuse.kernels import _launch, _scale
 from reference import (
     ACCUMULATE_PAIRS,
     FLOAT_DTYPES,
@@ -572,6 +572,52 @@ def test_unaligned_views_form_their_own_group(monkeypatch):
     gradfuse.multi_tensor_scale_(ours, torch.tensor(0.1))
     on(monkeypatch, "rust", gradfuse.multi_tensor_scale_, rust, torch.tensor(0.1))
     assert all(same_bits(o, r) for o, r in zip(ours, rust, strict=True))
+
+
+def test_prepared_launches_follow_a_list_to_its_new_addresses():
+    """A list made again at other addresses (gradients set to None, a step later) moves its plan's
+    chunk table, and the table's prepared launches with it: the norm and the scale run on the new
+    tensors (the old ones untouched), through launches bound to the new table's buffers."""
+    gen = torch.Generator().manual_seed(7)
+    old = [rand(n, torch.float32, 3.0, gen) for n in (5, CHUNK + 3, 40)]
+    old_before = clones(old)
+    gradfuse.clip_grad_norm_(params_of(old), 1e-2)  # prepares the norm and scale launches
+    old_after = clones(old)
+    table = _triton._table(make_plan("t", "grads", old, inplace=True))
+    assert table._prepared, "the clip left no prepared launches"
+    new = [rand(n, torch.float32, 3.0, gen) for n in (5, CHUNK + 3, 40)]
+    want = [t.double() for t in new]
+    total = gradfuse.clip_grad_norm_(params_of(new), 1e-2)
+    exact, _ = ref_norms(want, 2.0)
+    assert close(total.item(), exact, 2e-6)
+    coef = 1e-2 / (exact + 1e-6)
+    assert all(torch.allclose(t.double(), w * coef, rtol=2e-6, atol=0) for t, w in zip(new, want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(old, old_after, strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(old_after, old_before, strict=True))
+    moved = _triton._table(make_plan("t", "grads", new, inplace=True))
+    assert moved is not table and moved._prepared
+    for runs in moved._prepared.values():
+        for prepared in runs:
+            assert moved.addr_args[0] in prepared.args and table.addr_args[0] not in prepared.args
+
+
+def test_a_prepared_launch_holding_a_buffer_not_the_new_tables_is_not_moved():
+    """A prepared launch whose fixed pointers include one that is neither the new table's nor
+    shared with it is not moved (it would launch on the old buffer): the moved table prepares its
+    launch anew."""
+    tensors = [rand(n, torch.float32) for n in (3, 20)]
+    table = table_of(tensors)
+    foreign = _launch.Ptr(torch.ones(()))
+    (group,) = table.groups
+    meta = ct._meta(group, False, {"CODE": 0, "MODE": 0, "FACTOR_CODE": 0})
+    args = (table.addr_args[0], *table.args[:3], foreign, ct.SLOT, group.base, 0, 0)
+    prepared = _launch.Prepared(_launch.launcher(_scale._scale_kernel), group.count, args, meta, group.device)
+    replace = {id(table.addr_args[0]): _launch.Ptr(torch.zeros(2, dtype=torch.int64))}
+    assert prepared.moved(replace, {id(p) for p in (*table.args, *replace.values())}) is None
+    allowed = {id(p) for p in (*table.args, *replace.values(), foreign)}
+    moved = prepared.moved(replace, allowed)
+    assert moved is not None and moved.args[0] is replace[id(table.addr_args[0])] and moved.args[4] is foreign
+    assert moved.kernels is prepared.kernels  # the same keys: the specializations are shared
 
 
 def test_launch_counts(monkeypatch):
