@@ -302,15 +302,37 @@ def run(table: ChunkTable, kernel, config: tuple, make, *values) -> None:
     arguments and meta-parameters depend on besides the table and the group: hashable, exact)
     and tuning, by ``make(group) -> (args, fp_fusion, meta)``, where ``args`` holds ``SLOT`` where
     each call's values go and otherwise the table's buffers (``Ptr``) and numbers."""
+
+    def prepare():
+        runs = []
+        for g in table.groups:
+            args, fp_fusion, meta = make(g)
+            runs.append(Prepared(launcher(kernel), g.count, args, _meta(g, fp_fusion, meta), g.device))
+        return runs
+
+    for prepared in _prepared(table, kernel, config, prepare):
+        prepared(*values)
+
+
+def run_once(table: ChunkTable, kernel, grid: int, config: tuple, make, *values) -> None:
+    """One launch of ``kernel`` on ``grid`` programs for ``table`` (not per group: a finishing
+    kernel, say), prepared as :func:`run` prepares, by ``make() -> (args, meta)`` (every
+    meta-parameter: none is added)."""
+
+    def prepare():
+        args, meta = make()
+        return [Prepared(launcher(kernel), grid, args, meta, table.groups[0].device)]
+
+    _prepared(table, kernel, (grid, config), prepare)[0](*values)
+
+
+def _prepared(table: ChunkTable, kernel, config: tuple, prepare) -> list[Prepared]:
+    """The table's prepared launches of ``kernel`` for ``config`` and the current tuning, made by
+    ``prepare()`` the first time."""
     key = (id(kernel), config, CHUNK, BLOCK, FBLOCK, VEC, NUM_WARPS)  # the kernels live as long as the module
     runs = table._prepared.get(key)
     if runs is None:
         if len(table._prepared) >= _PREPARED_PER_TABLE:
             table._prepared.clear()  # configurations that keep changing (a norm type per call): bounded
-        runs = []
-        for g in table.groups:
-            args, fp_fusion, meta = make(g)
-            runs.append(Prepared(launcher(kernel), g.count, args, _meta(g, fp_fusion, meta), g.device))
-        table._prepared[key] = runs
-    for prepared in runs:
-        prepared(*values)
+        runs = table._prepared[key] = prepare()
+    return runs

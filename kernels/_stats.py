@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import _chunk_table as ct
 from ._jit import as_f64, chunk_bounds, is_finite, loop_bound, math_type, tail_mask, tensor_ptr
-from ._launch import INTERPRET, launcher
+from ._launch import INTERPRET
 from ._norm import INF, _combine, _finish, _identity, _reduce, _reduce_range, _term, norm_kind
 
 #: The norm kind whose combine is a max of |x|, for the largest magnitudes. A global read inside a
@@ -157,21 +157,14 @@ def multi_tensor_stats(
     if nonfinite.dtype != torch.int64:
         raise TypeError(f"gradfuse.kernels: nonfinite must be int64, got {nonfinite.dtype}")
     kind = norm_kind(norm_type)
-    partials, raws, counters = table.scratch()
     chunk_amax = torch.empty(table.n_chunks, dtype=torch.float64, device=table.device)
     chunk_bad = torch.empty(table.n_chunks, dtype=torch.int64, device=table.device)
     p_bits = ct.f64_bits(norm_type)
-    for g in table.groups:
-        ct.launch(
-            _stats_kernel,
-            g,
-            table.addr_args[0],
-            *table.args[:3],
-            partials,
-            chunk_amax,
-            chunk_bad,
-            g.base,
-            p_bits,
+
+    def make(g: ct.Group):
+        partials = table.scratch_args()[0]
+        args = (table.addr_args[0], *table.args[:3], partials, ct.SLOT, ct.SLOT, g.base, p_bits)
+        meta = dict(
             # Smaller blocks than the norm kernel's: three accumulators per lane (sum, max,
             # count) at 2048 took 133-158 registers for float64 inputs and spilled 8 bytes for
             # float16 max norms on sm_80; at 1024 float64 max norms still spilled 8 bytes on sm_80
@@ -180,10 +173,20 @@ def multi_tensor_stats(
             CODE=g.codes[0],
             KIND=kind,
             LIBDEVICE=not INTERPRET,
-            fp_fusion=True,  # as the norm kernel: the same partials, bit for bit
         )
-    # counters[0] is the norm kernel's "programs finished", zero between calls of either kernel.
-    args = (table.args[3], table.args[4], partials, chunk_amax, chunk_bad, raws, counters)
-    args += (total, norms, amax, nonfinite, n, p_bits)
-    meta = {"KIND": kind, "LIBDEVICE": not INTERPRET, "FBLOCK": ct.FBLOCK, "num_warps": ct.NUM_WARPS}
-    launcher(_stats_finish_kernel)(n, args, meta, table.groups[0].device)
+        return args, True, meta  # fp_fusion as the norm kernel: the same partials, bit for bit
+
+    ct.run(table, _stats_kernel, (p_bits,), make, chunk_amax, chunk_bad)
+
+    def make_finish():
+        # counters[0] is the norm kernel's "programs finished", zero between calls of either kernel.
+        partials, raws, counters = table.scratch_args()
+        args = (table.args[3], table.args[4], partials, ct.SLOT, ct.SLOT, raws, counters)
+        args += (ct.SLOT, ct.SLOT, ct.SLOT, ct.SLOT, n, p_bits)
+        meta = {"KIND": kind, "LIBDEVICE": not INTERPRET, "FBLOCK": ct.FBLOCK, "num_warps": ct.NUM_WARPS}
+        # FP fusion stated, as the norm kernel's finalizing program has it (Triton 3.9 warns when it
+        # is unset, and 3.10 changes its default).
+        return args, {**meta, "enable_fp_fusion": True}
+
+    outputs = (total, norms, amax, nonfinite)
+    ct.run_once(table, _stats_finish_kernel, n, (p_bits,), make_finish, chunk_amax, chunk_bad, *outputs)

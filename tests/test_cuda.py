@@ -28,6 +28,7 @@ import gradfuse
 from gradfuse import _rust
 from gradfuse._plan import DTYPE_CODES
 from gradfuse.kernels import _chunk_table as ct
+from gradfuse.kernels import _launch
 from op_cases import opcheck_cases, registered_ops
 from process_state import sync_debug_mode
 from reference import (
@@ -501,14 +502,14 @@ def test_aligned_groups_compile_to_16_byte_accesses(monkeypatch):
     """The address and size hints of aligned groups reach the code generator: 128-bit loads
     (norm) and loads and stores (scale) in the compiled kernels."""
     compiled = []
-    real = ct.launch
+    real = _launch.Prepared.__call__
 
-    def keep(kernel, grid, *args, **meta):
-        k = real(kernel, grid, *args, **meta)
+    def keep(self, *values):  # every chunk kernel's launch (ct.run) is a prepared one's
+        k = real(self, *values)
         compiled.append(k)
         return k
 
-    monkeypatch.setattr(ct, "launch", keep)
+    monkeypatch.setattr(_launch.Prepared, "__call__", keep)
     grads = [torch.randn(4096 * 4 + 3, device=DEVICE), torch.randn(777, device=DEVICE)]
     gradfuse.clip_grad_norm_(params_of(grads), 1e-3)
     norm_ptx, scale_ptx = (k.asm["ptx"] for k in compiled)
