@@ -21,8 +21,8 @@ caller's (the package's plans); nothing here holds a tensor of the caller's.
 
 :func:`run` launches a chunk kernel over every group of a table, with the meta-parameters every
 chunk kernel takes, through launches prepared once per table (``_launch.Prepared``: the table's
-buffers bound once, each call binding its own few arguments); :func:`launch` makes one launch
-through the kernel's launcher (``_launch``).
+buffers bound once, each call binding its own few arguments); :func:`run_once` makes a table's
+one-off launch (a finishing kernel) the same way.
 """
 
 from __future__ import annotations
@@ -283,13 +283,6 @@ def _meta(group: Group, fp_fusion: bool, meta: dict) -> dict:
         "enable_fp_fusion": fp_fusion,
         **meta,
     }
-
-
-def launch(kernel, group: Group, *args, fp_fusion: bool = False, **meta):
-    """``kernel[(group.count,)](*args, **meta)`` with the meta-parameters of :func:`_meta`,
-    through the kernel's launcher (``_launch``). Returns the compiled kernel (whose ``asm`` the
-    GPU tests inspect), or None when a compile hook cancelled the compile."""
-    return launcher(kernel)(group.count, args, _meta(group, fp_fusion, meta), group.device)
 
 
 #: Prepared launch sets kept per table, at most (a handful of kernels and configurations in use).

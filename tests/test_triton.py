@@ -630,7 +630,7 @@ def test_launch_counts(monkeypatch):
         calls.append(self.fn)
         return real(self, grid, args, meta, device)
 
-    # Every launch under the interpreter, prepared (ct.run) or not (ct.launch), is a launcher's.
+    # Every launch under the interpreter, prepared (ct.run) or not, is a launcher's.
     monkeypatch.setattr(_launch.Launcher, "__call__", counting)
     grads = [rand(n, torch.float32) for n in (3, CHUNK + 1, 40, 7, 200)]
     gradfuse.clip_grad_norm_(params_of(grads), 1e-3)
