@@ -248,32 +248,35 @@ class Prepared:
     """One launch of a kernel, on one grid and device with one set of meta-parameters, whose
     arguments are known but for a few (``SLOT`` in ``args``) that each call gives: the known ones
     (chunk-table buffers as :class:`Ptr`, numbers; never a tensor, whose address may change) are
-    bound once, so that a call binds its own arguments alone, looks the specialization up by
+    bound once (at the first launch, which binds every argument as any launch did), so that a
+    later call binds its own arguments alone, looks the specialization up by
     their specs alone, and launches it directly (:meth:`Launcher.__call__`'s rules: the first call
     of each specialization, every call under the interpreter or while a launch hook is set, and a
     specialization the check refused, go through :meth:`Launcher.__call__`)."""
 
     __slots__ = (
-        "args", "device", "generation", "grid", "kernels", "launcher", "meta", "packed", "slot_params",
-        "slot_plain", "slot_pos",
+        "args", "device", "generation", "grid", "kernels", "launcher", "meta", "packed", "slot_index",
+        "slot_params", "slot_plain", "slot_pos",
     )  # fmt: skip
 
     def __init__(self, launcher: Launcher, grid: int, args: tuple, meta: dict, device: int):
         if not all(a is SLOT or type(a) in _FIXED_TYPES for a in args):
             raise TypeError(f"{launcher.fn.__name__}: a prepared launch's fixed arguments are Ptr or numbers")
         self.launcher, self.grid, self.args, self.meta, self.device = launcher, grid, tuple(args), meta, device
-        slots = [i for i, a in enumerate(args) if a is SLOT]
+        #: Per slot: its index among the runtime arguments, its parameter, whether an integer
+        #: there is a plain i32, and its position in the packed arguments.
+        self.slot_index = [i for i, a in enumerate(args) if a is SLOT]
         if INTERPRET:  # every launch through the JIT: nothing is bound
-            self.slot_params, self.slot_plain, self.slot_pos, self.packed = [None] * len(slots), [], slots, None
+            self.slot_params, self.slot_plain, self.slot_pos = [None] * len(self.slot_index), [], self.slot_index
         else:
             if len(args) != len(launcher.runtime):
                 raise TypeError(f"{launcher.fn.__name__}: {len(args)} arguments for {len(launcher.runtime)} parameters")
-            #: Per slot: its runtime parameter, whether an integer there is a plain i32, and its
-            #: position in the packed arguments.
-            self.slot_params = [launcher.runtime[i] for i in slots]
-            self.slot_plain = [launcher.plain_ints[i] for i in slots]
-            self.slot_pos = [launcher.packed_pos[i] for i in slots]
-            self.packed = launcher.bind(tuple(0 if a is SLOT else a for a in args), meta, device)[1]
+            self.slot_params = [launcher.runtime[i] for i in self.slot_index]
+            self.slot_plain = [launcher.plain_ints[i] for i in self.slot_index]
+            self.slot_pos = [launcher.packed_pos[i] for i in self.slot_index]
+        #: The packed arguments of the first launch (the fixed ones bound; each call puts its own
+        #: in the slots), from its full binding: None until then.
+        self.packed = None
         #: The slots' specs -> the compiled kernel (None: through the JIT), as ``launcher.compiled``
         #: holds it for the whole key.
         self.kernels: dict[tuple, object] = {}
@@ -290,6 +293,8 @@ class Prepared:
         if self.generation != launcher.generation:
             self.kernels.clear()
             self.generation = launcher.generation
+        if self.packed is None:
+            return self._through_launcher(values)
         specs = []
         packed = self.packed.copy()
         for p, plain, pos, a in zip(self.slot_params, self.slot_plain, self.slot_pos, values, strict=True):
@@ -302,7 +307,7 @@ class Prepared:
         specs = tuple(specs)
         compiled = self.kernels.get(specs, _MISSING)
         if compiled is _MISSING or compiled is None or not _hooks_unset():
-            return self._through_launcher(specs, values)
+            return self._through_launcher(values)
         launch(compiled, self.grid, packed, self.device)
         launcher.direct += 1
         return compiled
@@ -335,12 +340,16 @@ class Prepared:
         it = iter(values)
         return tuple(next(it) if a is SLOT else a for a in self.args)
 
-    def _through_launcher(self, specs: tuple, values: tuple):
+    def _through_launcher(self, values: tuple):
         """The launch by :meth:`Launcher.__call__` (which compiles, checks and keeps the
-        specialization), and what it decided kept for these specs."""
+        specialization), and what it decided kept for these specs; the first one's binding is
+        kept as the packed arguments of the later ones."""
         launcher, args = self.launcher, self._args(values)
         key, packed = launcher.bind(args, self.meta, self.device)
+        if self.packed is None:
+            self.packed = packed.copy()
         compiled = launcher._launch_bound(self.grid, args, self.meta, self.device, key, packed)
+        specs = tuple([key[2][i] for i in self.slot_index])
         if specs not in self.kernels:
             decided = launcher.compiled.get(key, _MISSING)
             if decided is not _MISSING:
