@@ -39,8 +39,10 @@ struct TensorList {
     /// when the list was made, before any kernel of the call runs.
     writable: bool,
     /// The memory format each tensor is contiguous in (see [`set_probes`]: 0 torch's contiguous
-    /// format, 1 channels-last, 2 channels-last 3d; either way its elements fill exactly its
-    /// `numel` slots from its address), checked by [`TensorList::probe`]; None: all are 0.
+    /// format, 1 channels-last, 2 channels-last 3d, [`PERMUTED`] dense in another order; either
+    /// way its elements fill exactly its `numel` slots from its address), checked by
+    /// [`TensorList::probe`] (a permuted tensor's sizes and strides by the Python layer); None:
+    /// all are 0.
     formats: Option<Vec<u8>>,
     /// The bytes of the tensors' data: a probe of a list past `prefetch::min_bytes` prefetches.
     bytes: usize,
@@ -61,9 +63,9 @@ impl TensorList {
         formats: Option<Vec<u8>>,
     ) -> PyResult<Self> {
         if let Some(f) = &formats {
-            if f.len() != addrs.len() || f.iter().any(|&k| k as usize > LAYOUTS) {
+            if f.len() != addrs.len() || f.iter().any(|&k| k > PERMUTED) {
                 return Err(PyValueError::new_err(format!(
-                    "{name}: {} memory formats (each 0..={LAYOUTS}) for {} tensors",
+                    "{name}: {} memory formats (each 0..={PERMUTED}) for {} tensors",
                     f.len(),
                     addrs.len()
                 )));
@@ -111,7 +113,8 @@ impl TensorList {
     /// Whether `tensors` (a list) are still what this list describes, in one pass through torch's
     /// own attribute getters (see [`set_probes`]): each a plain tensor (`torch.Tensor` or
     /// `nn.Parameter`) with this list's dtype and size in bytes, contiguous in its memory format
-    /// (see `formats`), and with `writing`
+    /// (see `formats`; a [`PERMUTED`] one's sizes and strides are the caller's to confirm), and
+    /// with `writing`
     /// not an inference tensor. Returns None when one is not (or a probe raised: the caller plans
     /// the list anew, which names the problem), True when they are at this list's addresses too,
     /// else their addresses. Raises when the probes are not set.
@@ -317,6 +320,11 @@ static PROBES: PyOnceLock<Probes> = PyOnceLock::new();
 /// The memory formats other than torch's contiguous one that a kept list may hold (channels-last,
 /// channels-last 3d).
 const LAYOUTS: usize = 2;
+
+/// The format code of a tensor whose elements fill its `numel` slots in an order no memory
+/// format names (a transpose, a permutation): its contiguity is not asked here; the Python layer
+/// compares its sizes and strides with the kept ones.
+const PERMUTED: u8 = LAYOUTS as u8 + 1;
 
 /// The getter behind `descr`, a getset descriptor named `name`; None if it is not one.
 fn getter_of(descr: &Bound<'_, PyAny>, name: &str) -> Option<Getter> {
@@ -666,14 +674,16 @@ impl Probes {
                 ffi::PyErr_Clear();
                 return None;
             }
-            let contiguous = match format {
-                0 => self.call(&self.is_contiguous, t)?,
-                k => self.call_kw(&self.is_contiguous, t, &self.layouts[k as usize - 1])?,
-            };
-            let is_true = contiguous == ffi::Py_True();
-            ffi::Py_DECREF(contiguous);
-            if !is_true {
-                return None;
+            if format != PERMUTED {
+                let contiguous = match format {
+                    0 => self.call(&self.is_contiguous, t)?,
+                    k => self.call_kw(&self.is_contiguous, t, self.layouts.get(k as usize - 1)?)?,
+                };
+                let is_true = contiguous == ffi::Py_True();
+                ffi::Py_DECREF(contiguous);
+                if !is_true {
+                    return None;
+                }
             }
             if writing {
                 // Inference tensors have no version counter: reading it raises.

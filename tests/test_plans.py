@@ -154,6 +154,27 @@ class World:
         if p is not None and p.grad.dim() == 2:
             p.grad.t_()
 
+    def permute(self):
+        """A gradient re-pointed over its own memory with its dimensions in another order (``set_``
+        with permuted strides: the same address and size, dense in no named memory format), or
+        given fresh memory in such an order."""
+        p = self.pick()
+        if p is None or p.grad.dim() < 2:
+            return
+        g = p.grad
+        order = list(range(g.dim()))
+        while order == list(range(g.dim())):
+            self.rng.shuffle(order)
+        base = torch.empty([g.shape[d] for d in order], device="meta").stride()
+        strides = [0] * g.dim()
+        for pos, d in enumerate(order):
+            strides[d] = base[pos]
+        if self.rng.random() < 0.5 and g.is_contiguous():
+            g.set_(g.untyped_storage(), g.storage_offset(), g.shape, strides)
+        else:
+            fresh = rand_like(torch.empty(g.numel(), dtype=g.dtype), self.gen)
+            g.set_(fresh.untyped_storage(), 0, g.shape, strides)
+
     def values(self):
         if (p := self.pick()) is not None:
             p.grad.mul_(3.0)
@@ -254,6 +275,7 @@ CHANGES = [
     "transpose",
     "values",
     "relayout",
+    "permute",
 ]
 
 
@@ -603,6 +625,78 @@ def test_channels_last_gradients_are_planned_once(backend, monkeypatch):
         if step == 0:
             first = len(built)
     assert len(built) == first == 1, built
+
+
+def test_permuted_gradients_are_planned_once(backend, monkeypatch):
+    """Gradients dense in an order no memory format names (transposed, permuted: what torch gives
+    a parameter made that way) keep their plan, as contiguous ones do: confirmed at every call
+    (their sizes and strides compared), each call torch's answer; a permutation changed in place
+    (same address, same size) is planned anew."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = [((6, 4), (1, 0)), ((2, 3, 5), (2, 0, 1)), ((7,), (0,))]
+    params = []
+    for shape, order in shapes:
+        p = torch.nn.Parameter(torch.zeros(shape))
+        p.grad = torch.randn([shape[d] for d in order], generator=gen).permute(*_inverse(order))
+        params.append(p)
+    assert [p.grad.shape for p in params] == [torch.Size(s) for s, _ in shapes]
+    assert not params[0].grad.is_contiguous() and not params[1].grad.is_contiguous()
+    built = _count_builds(monkeypatch)
+
+    def check(max_norm):
+        theirs = [SimpleNamespace(grad=p.grad.clone()) for p in params]
+        total = gradfuse.clip_grad_norm_(params, max_norm)
+        want = TORCH_CLIP(theirs, max_norm)
+        assert close(total.item(), want.item(), 4e-6)
+        for a, b in zip(params, theirs, strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=4e-6, atol=1e-7)
+
+    for max_norm in (1e9, 0.5, 1e9, 0.25):
+        check(max_norm)
+    assert len(built) == 1, built
+    plan = _plan.make_plan("t", "grads", [p.grad for p in params], inplace=True)
+    assert plan.permuted == (0, 1) and plan.cached
+    g = params[1].grad  # another order over the same memory: same address, same size
+    g.set_(g.untyped_storage(), g.storage_offset(), g.shape, (1, 10, 2))
+    check(0.1)
+    assert len(built) == 2, built
+    check(0.1)
+    assert len(built) == 2, built
+
+
+def _inverse(order):
+    inverse = [0] * len(order)
+    for pos, d in enumerate(order):
+        inverse[d] = pos
+    return inverse
+
+
+def test_a_permuted_plan_serves_no_op_on_rows(backend):
+    """A kept plan of a transposed tensor walks its memory as it lies: right for a scale (each
+    element alone), wrong for AGC's unit ops, whose units are rows along dim 0 (not blocks of a
+    transpose's memory). After a scale keeps such a plan (in place, as ``scale_units_`` is), each
+    row is still scaled by its own factor."""
+    gen = torch.Generator().manual_seed(13)
+    t = torch.randn(5, 6, generator=gen).t()  # (6, 5): each row strided by 6 in memory
+    gradfuse.multi_tensor_scale_([t], 0.5)  # a kept plan of [t], permuted
+    assert _plan.make_plan("t", "tensors", [t], inplace=True).permuted == (0,)
+    factors = torch.arange(1.0, 7.0)
+    want = t.double() * factors.double()[:, None]
+    torch.ops.gradfuse.scale_units_([t], [6], factors)
+    torch.testing.assert_close(t.double(), want, rtol=2e-7, atol=0)
+
+
+def test_a_permuted_plan_serves_no_op_that_pairs_elements(backend):
+    """As for channels-last below: ``accumulate_`` pairs ``dst[i]`` with ``src[i]`` by index, so a
+    transposed destination's kept plan (its memory as it lies) must not serve it."""
+    gen = torch.Generator().manual_seed(17)
+    dst = torch.randn(4, 7, generator=gen).t()
+    src = torch.randn(7, 4, generator=gen)
+    want = dst.double() * 0.25 + src.double()
+    gradfuse.multi_tensor_scale_([dst], 0.25)  # a kept plan of [dst], permuted
+    assert _plan.make_plan("t", "tensors", [dst], inplace=True).permuted == (0,)
+    gradfuse.accumulate_([dst], [src])
+    torch.testing.assert_close(dst.double(), want, rtol=2e-6, atol=1e-6)
 
 
 def test_a_channels_last_plan_serves_no_op_that_pairs_elements(backend):

@@ -75,10 +75,12 @@ class Plan:
 
     A plan of dense tensors is kept between calls (see :func:`make_plan`) and holds no tensor:
     only addresses, sizes and dtypes, which every later call confirms against its tensors before
-    the plan is used. A plan of tensors that are not all contiguous is made for one call:
-    ``tensors`` are then what the kernels touch, the caller's tensors except that one whose
-    elements are not one dense block is replaced by a contiguous copy (``writeback`` pairs each
-    such original with its copy, to be copied back after an in-place op).
+    the plan is used; so is a plan of dense tensors used in place while not contiguous
+    (``formats``: channels-last ones, and permuted ones whose sizes and strides it keeps). A plan
+    that copies is made for one call: ``tensors`` are then what the kernels touch, the caller's
+    tensors except that one whose elements are not one dense block (or, for an op that pairs
+    elements, not contiguous) is replaced by a contiguous copy (``writeback`` pairs each such
+    original with its copy, to be copied back after an in-place op).
     """
 
     __slots__ = (
@@ -98,6 +100,8 @@ class Plan:
         "numels",
         "on_cuda",
         "out_dtype",
+        "permuted",
+        "permuted_layouts",
         "tensor_list",
         "tensors",
         "writeback",
@@ -130,6 +134,10 @@ class Plan:
         #: Indices of the tensors used in place while not contiguous in torch's format (kept plans:
         #: those of ``formats`` other than 0), for ops on rows to check (:func:`rows_fit`).
         self.laid_out = []
+        #: For kept plans: the indices of the tensors dense in an order no memory format names
+        #: (``PERMUTED``), and their ``(shape, stride)`` as planned, which a later call compares.
+        self.permuted = ()
+        self.permuted_layouts = []
         #: For one-call plans: the tensors the kernels touch, and the copies to write back.
         self.tensors = None
         self.writeback = []
@@ -178,7 +186,7 @@ class Plan:
 #: What a plan moved to other addresses keeps as it is.
 _KEPT_WHEN_MOVED = (
     "name", "inplace", "device", "on_cuda", "numels", "codes", "dtypes", "nbytes", "empty", "formats", "laid_out",
-    "out_dtype",
+    "out_dtype", "permuted", "permuted_layouts",
 )  # fmt: skip
 
 
@@ -294,6 +302,7 @@ _PLAIN = frozenset({Tensor, torch.nn.Parameter})
 _data_ptr = Tensor.data_ptr
 _is_contiguous = Tensor.is_contiguous
 _nbytes = attrgetter("nbytes")
+_shape = attrgetter("shape")
 _get_device = Tensor.get_device
 #: What a probe of a tensor can raise for tensors a plan cannot describe (sparse, no storage).
 _PROBE_ERRORS = (RuntimeError, TypeError, AttributeError, NotImplementedError)
@@ -301,7 +310,7 @@ _PROBE_ERRORS = (RuntimeError, TypeError, AttributeError, NotImplementedError)
 
 def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, device=None, dense_ok: bool = True) -> Plan:
     """The validated plan of ``tensors`` (a list): a kept one when they are still what it
-    describes, else a new one (kept when all are contiguous). Raises, naming ``op``, ``name`` and
+    describes, else a new one (kept when none is copied). Raises, naming ``op``, ``name`` and
     the index, when the tensors cannot be planned; nothing is modified.
 
     ``inplace``: the op writes them (they must not overlap, nor be inference tensors outside
@@ -311,8 +320,10 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
     False, so both sides are walked in the same (row-major) order; ops on rows pass ``ROWS``.
 
     A kept plan is confirmed in one pass of C-level maps over the tensors: each is a plain tensor
-    (``torch.Tensor``/``nn.Parameter``) with the plan's dtype and size in bytes, contiguous, and
-    (``inplace``, outside inference mode) not an inference tensor; its data address is then read.
+    (``torch.Tensor``/``nn.Parameter``) with the plan's dtype and size in bytes, contiguous (in
+    its memory format; a permuted one with the sizes and strides the plan keeps, a C-level map
+    over those alone), and (``inplace``, outside inference mode) not an inference tensor; its data
+    address is then read.
     The same addresses: the plan as it is. Other addresses (a gradient set to None and made again,
     ``.data =``, ``set_``): the plan moved there, checked by the Rust core as a new one is
     (alignment, overlap), and the devices of the tensors read. An address identifies its device
@@ -349,22 +360,31 @@ def _confirm(kept: list[Plan], tensors: list[Tensor], device, dense_ok: bool) ->
     (``dense_ok``) only."""
     if not dense_ok:
         kept = [p for p in kept if p.formats is None]
-        if not kept:
-            return None
+    elif dense_ok == ROWS:
+        kept = [p for p in kept if not p.permuted]  # a permuted tensor's rows are not blocks
+    if not kept:
+        return None
     writing = kept[0].inplace and not torch.is_inference_mode_enabled()
     if probes():
         # One pass of the Rust core through torch's own getters: None, True (the same
-        # addresses) or the addresses.
+        # addresses) or the addresses; then the sizes and strides of the permuted tensors.
         for plan in kept:
             found = plan.tensor_list.probe(tensors, writing)
-            if found is not None:
+            if found is not None and (not plan.permuted or _same_layouts(plan, tensors)):
                 break
         else:
             return None
         if found is True:
             return _checked_devices(plan, tensors, device)
         addrs = found
-        kinds = [p for p in kept if p.nbytes == plan.nbytes and p.dtypes == plan.dtypes]
+        kinds = [
+            p
+            for p in kept
+            if p.nbytes == plan.nbytes
+            and p.dtypes == plan.dtypes
+            and p.formats == plan.formats
+            and p.permuted_layouts == plan.permuted_layouts
+        ]
     else:
         if not set(map(type, tensors)) <= _PLAIN:
             return None
@@ -502,7 +522,7 @@ def _build(op: str, name: str, tensors: list[Tensor], inplace: bool, device, den
         check_layouts(op, name, tensors)
         tensors, writeback = _densify(op, name, tensors, inplace, dense_ok)
         if tensors is originals and probes():
-            formats = _formats(tensors)  # all dense and used in place: kept if in known layouts
+            formats = _formats(tensors)  # all dense and used in place: kept, with each one's format
     addrs = list(map(Tensor.data_ptr, tensors))
     numels = list(map(Tensor.numel, tensors))
     try:
@@ -518,6 +538,8 @@ def _build(op: str, name: str, tensors: list[Tensor], inplace: bool, device, den
     if formats is not None:
         plan.formats = formats
         plan.laid_out = [i for i, code in enumerate(formats) if code]
+        plan.permuted = tuple(i for i, code in enumerate(formats) if code == PERMUTED)
+        plan.permuted_layouts = _layouts(tensors, plan.permuted)
     elif not contiguous:
         plan.tensors, plan.writeback, plan.copied = tensors, writeback, tensors is not originals
         if dense_ok == ROWS:
@@ -542,6 +564,24 @@ def rows_fit(plan: Plan, tensors: list[Tensor], units: list[int]) -> bool:
 #: The memory formats a kept plan's tensors may be contiguous in, by code (channels-last
 #: convolution weights and their gradients, the usual non-contiguous dense tensors).
 LAYOUTS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+#: The format code of a tensor dense in an order none of ``LAYOUTS`` names (a transpose, a
+#: permutation): its plan is kept with its sizes and strides, which every later call compares
+#: (:func:`_same_layouts`; the Rust core's probe does not ask its contiguity).
+PERMUTED = len(LAYOUTS)
+
+
+def _layouts(tensors: list[Tensor], indices) -> list[tuple]:
+    """``(shape, stride)`` of ``tensors[i]`` for each of ``indices``."""
+    picked = [tensors[i] for i in indices]
+    return list(zip(map(_shape, picked), map(Tensor.stride, picked), strict=True))
+
+
+def _same_layouts(plan: Plan, tensors: list[Tensor]) -> bool:
+    """Whether the tensors ``plan`` holds as permuted have the sizes and strides it planned."""
+    try:
+        return _layouts(tensors, plan.permuted) == plan.permuted_layouts
+    except _PROBE_ERRORS:
+        return False
 
 
 def _format(t: Tensor) -> int | None:
@@ -550,13 +590,15 @@ def _format(t: Tensor) -> int | None:
 
 
 def _formats(tensors: list[Tensor]) -> bytes | None:
-    """The code of the memory format each tensor is contiguous in (see ``LAYOUTS``), or None when
-    one is contiguous in none of them (a transpose, say: its plan is made for one call)."""
+    """The code of the memory format each tensor is contiguous in (see ``LAYOUTS``), ``PERMUTED``
+    for one dense in another order; None when one is not dense (its plan is made for one call)."""
     codes = bytearray()
     for t in tensors:
         code = _format(t)
         if code is None:
-            return None
+            if not is_dense(t):
+                return None
+            code = PERMUTED
         codes.append(code)
     return bytes(codes)
 
