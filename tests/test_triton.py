@@ -620,6 +620,21 @@ def test_a_prepared_launch_holding_a_buffer_not_the_new_tables_is_not_moved():
     assert moved.kernels is prepared.kernels  # the same keys: the specializations are shared
 
 
+def test_prepared_launches_kept_per_table_are_bounded():
+    """A configuration that changes at every call (a norm order per call) prepares a launch set
+    each time; a table keeps a bounded number of them, and each call still gives its own norm."""
+    tensors = [rand(n, torch.float32) for n in (3, 20)]
+    table = table_of(tensors)
+    sizes = []
+    for i in range(ct._PREPARED_PER_TABLE + 8):
+        p = 1.0 + i / 8
+        total = gradfuse.multi_tensor_norm(tensors, p)
+        want, _ = ref_norms(tensors, p)
+        assert close(total.item(), want, 2e-6), (p, total.item(), want)
+        sizes.append(len(table._prepared))
+    assert max(sizes) <= ct._PREPARED_PER_TABLE and sizes[-1] < sizes[ct._PREPARED_PER_TABLE - 1]
+
+
 def test_launch_counts(monkeypatch):
     """clip_grad_norm_ is two launches per dtype group (norm with fused finalize, then scale),
     whatever the number of tensors; the other ops one per group per pass."""
