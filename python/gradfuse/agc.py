@@ -36,15 +36,12 @@ from . import _plan as P
 from . import distributed as D
 from . import ops
 from ._policy_state import _check_config, _check_keys
+from .clip import _combine_totals
 from .ops import _check_units
 
 Tensor = torch.Tensor
 
 __all__ = ["AGC", "adaptive_clip_grad_"]
-
-
-def _units(p: Tensor) -> int:
-    return p.shape[0] if p.dim() > 1 else 1
 
 
 _grad = attrgetter("grad")
@@ -127,12 +124,7 @@ def _agc_by_device(by_device: dict, clip_factor, eps, norm_type, inv_scale: Tens
             found[device] = (~torch.isfinite(g_norm).all()).float()  # only the scaler's callers read it
         writes.append((grads, units, factors))
         totals.append(torch.linalg.vector_norm(g_norm, norm_type))
-    first = totals[0].device
-    total = (
-        totals[0]
-        if len(totals) == 1
-        else torch.linalg.vector_norm(torch.stack([t.to(first) for t in totals]), norm_type)
-    )
+    total = _combine_totals(totals, norm_type)
     if len(writes) > 1:  # what would stop a later device's write, found before the first's
         for grads, _, _ in writes:
             P.check_disjoint("gradfuse.adaptive_clip_grad_", "grads", grads)
