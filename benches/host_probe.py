@@ -1,0 +1,112 @@
+"""Where a call's host time goes: the drop-in clip on 1, 148 and 2000 tiny fp32 gradients (an
+inactive clip, the same list again), timed plain and under cProfile, beside a pure-Python
+calibration loop and torch's own per-tensor getters, so that runs on two machines can be put on
+one scale.
+
+    python benches/host_probe.py            # CUDA when there is a GPU
+    python benches/host_probe.py --standin  # the CPU tensors through the Triton path, launches
+                                            # stopped at a stand-in (gradfuse.bench.host)
+
+Prints one report; no files. Not a benchmark (no torch ratio): a map for the next change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import time
+
+import torch
+
+import gradfuse
+
+
+def per_call_us(fn, calls: int = 300, repeats: int = 7) -> float:
+    for _ in range(20):
+        fn()
+    sync()
+    best = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best.append((time.perf_counter() - start) / calls * 1e6)
+        sync()
+    return statistics.median(best)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profile(label: str, fn, calls: int = 300, top: int = 22) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    sync()
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda item: -item[1][2])[:top]
+    print(f"---- cProfile {label}: us per clip call, own (tottime) and with callees (cumtime)")
+    for (path, line, name), (_, ncalls, own, cum, _) in rows:
+        where = f"{os.path.basename(path)}:{line}({name})" if line else name
+        print(f"{own / calls * 1e6:9.2f} {cum / calls * 1e6:9.2f} {ncalls / calls:6.1f}x  {where}")
+
+
+def calibration() -> None:
+    def loop():
+        total = 0
+        for i in range(10_000):
+            total += i & 7
+        return total
+
+    print(f"python loop of 10k additions: {per_call_us(loop, calls=50):.1f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--standin", action="store_true")
+    args = parser.parse_args()
+    if args.standin:
+        from gradfuse.bench.host import _install_standin
+
+        assert _install_standin(), "the stand-in needs Triton's NVIDIA backend"
+        os.environ["GRADFUSE_BACKEND"] = "triton"
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"device {device}, standin {args.standin}, torch {torch.__version__}, gradfuse {gradfuse.__version__}")
+    calibration()
+    for n in (1, 148, 2000):
+        params = [torch.nn.Parameter(torch.randn(16, device=device)) for _ in range(n)]
+        for p in params:
+            p.grad = torch.randn(16, device=device) * 1e-3
+
+        def clip(params=params, max_norm=1e6):
+            return gradfuse.clip_grad_norm_(params, max_norm)
+
+        def grads(params=params):
+            return [p.grad for p in params]
+
+        def torch_clip(params=params, max_norm=1e6):
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+        us = per_call_us(clip)
+        print(
+            f"n={n}: clip {us:.1f} us/call; [p.grad] {per_call_us(grads):.2f} us;"
+            f" torch clip {per_call_us(torch_clip, calls=30, repeats=3):.1f} us"
+        )
+        if n in (1, 2000):
+            profile(f"clip n={n}", clip)
+    empty = per_call_us(lambda: torch.empty((), device=device))
+    full = per_call_us(lambda: torch.full((), 2.0, device=device))
+    print(f"torch.empty(()) {empty:.2f} us; torch.full((), 2.0) {full:.2f} us")
+
+
+if __name__ == "__main__":
+    main()
