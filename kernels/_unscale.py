@@ -14,6 +14,7 @@ import triton.language as tl
 
 from . import _chunk_table as ct
 from ._jit import chunk_bounds, is_finite, loop_bound, math_type, tail_mask, tensor_ptr, to_storage
+from ._launch import SLOT, Prepared, launcher
 
 
 @triton.jit(do_not_specialize=["chunk_base"])
@@ -66,3 +67,31 @@ def unscale_and_check_(table: ct.ChunkTable, inv_scale: torch.Tensor, found_inf:
         return (table.addr_args[0], *table.args[:3], ct.SLOT, ct.SLOT, g.base), False, {"CODE": g.codes[0]}
 
     ct.run(table, _unscale_kernel, (), make, inv_scale, found_inf)
+
+
+@triton.jit
+def _inverse_scale_kernel(scale_ptr, inv_scale_ptr, found_ptr):
+    """``inv_scale = float32(1 / float64(scale))`` (torch's ``unscale_``:
+    ``scale.double().reciprocal().float()``) and ``found = 0``."""
+    s = tl.load(scale_ptr).to(tl.float64)
+    tl.store(inv_scale_ptr, (1.0 / s).to(tl.float32))  # float64 division is IEEE-rounded
+    tl.store(found_ptr, 0.0)
+
+
+#: The prepared launch of the inverse scale per device index (-1: CPU tensors, interpreter).
+_INVERSE: dict[int, Prepared] = {}
+
+
+def inverse_scale(scale: torch.Tensor, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """The two scalars an unscale needs, in one launch where torch's ``unscale_`` makes four:
+    ``inv_scale`` as torch computes it from ``scale`` (bit for bit) and ``found_inf`` zeroed. All
+    three are one-element float32 tensors on one device, the current one."""
+    for name, t in (("scale", scale), ("inv_scale", inv_scale), ("found_inf", found_inf)):
+        if t.dtype != torch.float32 or t.numel() != 1:
+            raise TypeError(f"gradfuse.kernels: {name} must be a one-element float32 tensor")
+    device = scale.device.index if scale.is_cuda else -1
+    prepared = _INVERSE.get(device)
+    if prepared is None:
+        meta = {"num_warps": 1, "enable_fp_fusion": False}
+        prepared = _INVERSE[device] = Prepared(launcher(_inverse_scale_kernel), 1, (SLOT, SLOT, SLOT), meta, device)
+    prepared(scale, inv_scale, found_inf)

@@ -261,6 +261,15 @@ def calls(quick: bool) -> dict[str, list[Call]]:
                 f"{DTYPE_NAMES[d]} += {DTYPE_NAMES[s]} {'aligned' if a else 'unaligned'} alpha={alpha:g}",
                 lambda d=d, s=s, a=a, alpha=alpha: ops.accumulate_([_tensor(d, 5, a)], [_tensor(s, 5, a)], alpha),
             )
+    # GradScaler's inverse scale (one launch of its own, not an op): its three scalars aligned or not.
+    from gradfuse.kernels import _unscale
+
+    for a in aligns:
+        add(
+            "inverse_scale",
+            "aligned" if a else "unaligned",
+            lambda a=a: _unscale.inverse_scale(_scalar(F32, a, 2.0), _scalar(F32, a), _scalar(F32, a, 0.0)),
+        )
     return out
 
 

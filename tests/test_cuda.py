@@ -445,6 +445,45 @@ def test_launches_per_clip_call_with_1000_tensors():
     assert len(names) == 2, names
 
 
+def test_scaler_unscale_and_clip_is_three_launches_with_torchs_inverse_scale():
+    """``GradScaler.unscale_and_clip_``: the inverse scale and the zeroed flag in one launch (torch's
+    arithmetic makes four: double, reciprocal, float, fill), then the norm and the clip; the
+    inverse bit for bit torch's ``scale.double().reciprocal().float()`` across the float32 range."""
+    gen = torch.Generator().manual_seed(4)
+    exponents = torch.randint(-126, 127, (64,), generator=gen).double()
+    scales = ((torch.rand(64, generator=gen, dtype=torch.float64) + 0.5) * 2.0**exponents).tolist()
+    for s in [*scales, 65536.0, 1.0, 3.0, 1e-40, 3.4e38, 0.0, math.inf, math.nan]:
+        scale = torch.tensor(s, dtype=torch.float32, device=DEVICE)
+        inv, found = gradfuse.ops.inverse_scale(scale)
+        assert same_bits(inv, scale.double().reciprocal().float()), s
+        assert found.item() == 0.0 and found.device == scale.device
+    originals = [torch.randn(n, device=DEVICE) for n in (5, 300, 4097)]
+    params = params_of(clones(originals))
+    scaler = gradfuse.GradScaler("cuda", init_scale=3.0 * 2**10)
+    scaler.scale(torch.ones((), device=DEVICE))  # the scale made before the profiled call
+    # A new optimizer per call (profiled_names calls twice): each its first unscale since update().
+    # Kept alive: the scaler's state is keyed by the optimizer's id, which a freed one hands on.
+    opts = []
+
+    def call():
+        opts.append(torch.optim.SGD(params, lr=0.1))
+        return scaler.unscale_and_clip_(opts[-1], 1e-3)
+
+    names = profiled_names(call)
+    assert len(names) == 3, names
+    for p, g in zip(params, originals, strict=True):
+        p.grad = g.clone()
+    opt = torch.optim.SGD(params, lr=0.1)
+    norm = scaler.unscale_and_clip_(opt, 1e-3)
+    want = [g.double() / (3.0 * 2**10) for g in originals]
+    want_norm = torch.linalg.vector_norm(torch.cat([w.reshape(-1) for w in want]))
+    torch.testing.assert_close(norm.double(), want_norm, rtol=1e-6, atol=0)
+    assert scaler.found_inf(opt).item() == 0.0
+    coef = min(1e-3 / (norm.item() + 1e-6), 1.0)
+    for p, w in zip(params, want, strict=True):
+        torch.testing.assert_close(p.grad.double(), w * coef, rtol=1e-5, atol=0)
+
+
 def import_inductor() -> None:
     """Import torch.compile's default backend up front. torch 2.11's inductor imports
     ``torch.utils.mkldnn``, whose classes use ``torch.jit.script_method``, deprecated there with a

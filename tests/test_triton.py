@@ -23,6 +23,7 @@ Under a real GPU (no interpreter) these tests are skipped: ``tests/test_cuda.py`
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import struct
@@ -36,7 +37,7 @@ import gradfuse
 from gradfuse import _plan, _rust, _triton
 from gradfuse._plan import DTYPE_CODES, make_plan
 from gradfuse.kernels import _chunk_table as ct
-from gradfuse.kernels import _launch, _scale
+from gradfuse.kernels import _launch, _scale, _unscale
 from reference import (
     ACCUMULATE_PAIRS,
     FLOAT_DTYPES,
@@ -366,6 +367,69 @@ def test_unscale_and_check_matches_torch_amp_and_rust(monkeypatch, inv):
         assert found.item() == rfound.item() == tfound.item() == (0.0 if bad is None else 1.0)
         for o, r, t in zip(ours, rust, theirs, strict=True):
             assert same_bits(o, r) and same_bits(o, t)
+
+
+def test_inverse_scale_is_torchs_reciprocal_bit_for_bit():
+    """The scaler's one launch for its two scalars: ``inv_scale`` as torch's ``unscale_`` takes it
+    (``scale.double().reciprocal().float()``) for scales across the float32 range and its edges,
+    and ``found_inf`` zeroed, whatever the output memory held."""
+    gen = torch.Generator().manual_seed(5)
+    exponents = torch.randint(-126, 127, (24,), generator=gen).double()
+    scales = [*(torch.rand(24, generator=gen, dtype=torch.float64) + 0.5) * 2.0**exponents]
+    scales += [65536.0, 1.0, 3.0, 2.0**-24, 1e-40, 1e-45, 3.4e38, 0.0, -2.0, math.inf, math.nan]
+    for s in scales:
+        scale = torch.tensor(float(s), dtype=torch.float32)
+        inv, found = torch.full((), math.nan), torch.full((), math.nan)
+        _unscale.inverse_scale(scale, inv, found)
+        assert same_bits(inv, scale.double().reciprocal().float()), float(s)
+        assert found.item() == 0.0
+    inv, found = gradfuse.ops.inverse_scale(torch.tensor(0.3))  # through the backend: new tensors
+    assert same_bits(inv, torch.tensor(0.3).double().reciprocal().float()) and found.item() == 0.0
+    with pytest.raises(TypeError, match="scale must be a one-element float32"):
+        _unscale.inverse_scale(torch.tensor(2.0, dtype=torch.float64), inv, found)
+
+
+@pytest.mark.parametrize("divisor", [None, 3.0], ids=["plain", "divisor"])
+def test_scaler_unscale_and_clip_through_the_kernels_matches_torch(divisor):
+    """``GradScaler.unscale_and_clip_`` on the Triton kernels (the inverse scale, the norm and the
+    clip) against torch's ``unscale_`` + ``clip_grad_norm_``, over a schedule with overflow steps
+    (found_inf must be set there, and zero on the clean steps that follow)."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
+    ours = gradfuse.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+    for step in range(6):
+        x = torch.randn(5, 8)
+        for m, scaler in ((model, ours), (twin, theirs)):
+            m.zero_grad(set_to_none=True)
+            scaler.scale(m(x).square().sum()).backward()
+            if step in (2, 3):
+                next(m.parameters()).grad[0, 0] = math.inf
+        norm = ours.unscale_and_clip_(opts[0], 0.5, divisor=divisor)
+        theirs.unscale_(opts[1])
+        if divisor is not None:
+            for p in twin.parameters():
+                p.grad /= divisor
+        want = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.5)
+        assert ours.found_inf(opts[0]).item() == float(step in (2, 3))
+        if step not in (2, 3):
+            # A few float32 ulp: the norm's partials are summed in float64 (torch's in float32);
+            # with a divisor gradfuse rounds once (one factor, 1/(scale*divisor)) where the
+            # reference rounds twice (unscale, then divide), within the same bound.
+            rtol = 2e-6
+            torch.testing.assert_close(norm, want, rtol=rtol, atol=0)
+            for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+                torch.testing.assert_close(a.grad, b.grad, rtol=rtol, atol=0)
+        ours.step(opts[0])
+        theirs.step(opts[1])
+        ours.update()
+        theirs.update()
+        assert ours.get_scale() == theirs.get_scale()
+        with torch.no_grad():  # each step from the same weights: ulps of one step are not amplified by the next
+            for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+                b.copy_(a)
 
 
 def test_unscale_never_resets_found_inf():

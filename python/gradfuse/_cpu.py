@@ -147,6 +147,12 @@ def unscale_and_check_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Ten
         found_inf.fill_(1.0)
 
 
+def inverse_scale(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inv_scale, found_inf)`` for an unscale by ``scale``: torch's own arithmetic (the
+    reciprocal in float64, rounded to float32) and a zeroed flag, as the Triton backend makes them."""
+    return scale.double().reciprocal().float(), torch.zeros((), dtype=torch.float32, device=scale.device)
+
+
 def unscale_check_norm(plan: Plan, inv_scale: torch.Tensor, norm_type: float):
     out = plan.out_dtype
     total = _zero_d(out)

@@ -236,6 +236,20 @@ def unscale_and_check_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Ten
             _unscale.unscale_and_check_(table, inv_scale, found_inf)
 
 
+def inverse_scale(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inv_scale, found_inf)`` for an unscale by ``scale`` (a one-element float32 tensor): the
+    reciprocal as torch's ``unscale_`` takes it (in float64, rounded to float32) and a zeroed flag,
+    new 0-d float32 tensors on ``scale``'s device, in one launch."""
+    inv_scale = torch.empty((), dtype=torch.float32, device=scale.device)
+    found_inf = torch.empty((), dtype=torch.float32, device=scale.device)
+    if scale.is_cuda and torch._C._cuda_getDevice() != scale.device.index:
+        with torch.cuda.device(scale.device):
+            _unscale.inverse_scale(scale, inv_scale, found_inf)
+    else:
+        _unscale.inverse_scale(scale, inv_scale, found_inf)
+    return inv_scale, found_inf
+
+
 def unscale_check_norm(plan: Plan, inv_scale: torch.Tensor, norm_type: float):
     """One read-only pass: ``(norm of x * inv_scale, found_inf)``, ``found_inf`` a new 0-d
     float32 tensor (1.0 if any ``x`` was inf or NaN)."""

@@ -32,15 +32,20 @@ _LIB = torch.library.Library("gradfuse", "DEF")
 
 def _backend(plan: P.Plan):
     """The backend module that runs ``plan`` (on its device, as ``GRADFUSE_BACKEND`` says)."""
+    return _backend_on(plan.on_cuda)
+
+
+def _backend_on(on_cuda: bool):
+    """The backend module for tensors on CUDA (``on_cuda``) or on the CPU."""
     # The environment as os.environ has it, read by the Rust core (loaded on first use, not by
     # `import gradfuse`): os.environ.get of an unset name costs ~0.5 us (a KeyError raised and caught).
     choice = P.rust_core().backend_env()
     if choice is None:  # the usual case, first
-        return _triton() if plan.on_cuda else _cpu()
+        return _triton() if on_cuda else _cpu()
     choice = choice.lower()
     if choice not in ("auto", "rust", "triton"):
         raise ValueError(f"GRADFUSE_BACKEND must be auto, rust or triton, got {choice!r}")
-    if plan.on_cuda:
+    if on_cuda:
         if choice == "rust":
             raise RuntimeError("GRADFUSE_BACKEND=rust cannot run on CUDA tensors; use auto or triton")
         return _triton()
@@ -83,15 +88,32 @@ def direct() -> bool:
     graph would hold the op's output as a constant). The call then does exactly what the
     dispatcher would have it do for plain CPU and CUDA tensors: the same implementation (tensors
     the plans cannot describe, on other devices say, still go through the dispatcher)."""
+    return plain_eager() and not torch.autograd._profiler_enabled()
+
+
+def plain_eager() -> bool:
+    """Whether a call may launch gradfuse's kernels on raw addresses, outside any op: nothing is
+    tracing or compiling, and no torch function or dispatch mode and no functorch transform is
+    active (each would need to see the computation as torch ops). The profiler may be on: it
+    records the kernels themselves."""
     if torch.compiler.is_compiling():  # first: dynamo folds it, and traces no further
         return False
     return not (
         torch._C._is_torch_function_mode_enabled()
         or torch._C._len_torch_dispatch_stack()
         or torch._C._are_functorch_transforms_active()
-        or torch.autograd._profiler_enabled()
         or torch._C._get_tracing_state() is not None
     )
+
+
+def inverse_scale(scale: Tensor) -> tuple[Tensor, Tensor]:
+    """``(inv_scale, found_inf)`` for an unscale by ``scale`` (a one-element float32 tensor on the
+    CPU or CUDA): new 0-d float32 tensors on its device, the reciprocal bit for bit as torch's
+    ``GradScaler.unscale_`` takes it (in float64, rounded) and a zeroed flag. One launch on CUDA
+    where torch's arithmetic makes four; torch's own ops while tracing, compiling or under a mode."""
+    if plain_eager() and scale.dtype == torch.float32 and scale.numel() == 1 and (scale.is_cuda or scale.is_cpu):
+        return _backend_on(scale.is_cuda).inverse_scale(scale)
+    return scale.double().reciprocal().float(), torch.zeros((), dtype=torch.float32, device=scale.device)
 
 
 class _NoGrad:

@@ -363,19 +363,19 @@ class GradScaler(torch.amp.GradScaler):
 
         def run(groups):
             first = next(iter(groups))
-            scale, inv_scale = self._scales(first, divisor)
             _check_all(groups)
             # max_norm=inf: the coefficient is 1 (clip_coef); the in-place op would apply torch's NaN.
             if folds or len(groups) > 1 or max_norm == math.inf:
+                scale, inv_scale = self._scales(first, divisor)
                 total, found, coef = self._measure(groups, inv_scale, max_norm, norm_type)
                 if folds:
                     return total, found, (scale / coef).float()
                 for device, group in groups.items():
                     ops.multi_tensor_scale_op(group, (inv_scale * coef).to(device))
                 return total, found, None
-            found = {first: torch.zeros((), dtype=torch.float32, device=first)}
-            total = ops.unscale_and_clip_op(groups[first], inv_scale, found[first], max_norm, norm_type)
-            return total, found, None
+            inv_scale, found = ops.inverse_scale(self._scaled_by(first, divisor))
+            total = ops.unscale_and_clip_op(groups[first], inv_scale, found, max_norm, norm_type)
+            return total, {first: found}, None
 
         # One device first, unchecked: the ops find a list that spans devices before anything runs.
         result = _run_fused(grads, run, plain) if grads else _TO_TORCH
@@ -394,15 +394,20 @@ class GradScaler(torch.amp.GradScaler):
         """(scale, inv_scale) as 0-d float32 tensors on ``device``: the loss scale (1 when
         disabled) times ``divisor`` when given (folded in: ``grad / (scale * divisor)`` is one
         factor), and its reciprocal, taken in fp64 then rounded, as torch's ``unscale_``."""
+        scale = self._scaled_by(device, divisor)
+        if not self._enabled and divisor is None:
+            return scale, scale
+        return scale, scale.double().reciprocal().float()
+
+    def _scaled_by(self, device: torch.device, divisor=None) -> Tensor:
+        """The loss scale (1 when disabled) on ``device``, times ``divisor`` when given."""
         if self._enabled:
             scale = self._scale.to(device)
         else:
             scale = torch.ones((), dtype=torch.float32, device=device)
         if divisor is not None:
             scale = scale * torch.as_tensor(divisor, device=device).float()
-        elif not self._enabled:
-            return scale, scale
-        return scale, scale.double().reciprocal().float()
+        return scale
 
     def _clip_from_hook(
         self, optimizer, hook: DDPHookState, scale: Tensor, inv_scale: Tensor, max_norm: float
