@@ -83,9 +83,10 @@ def test_every_kernel_and_both_targets_are_compiled(results):
         assert targets == set(kc.TARGETS), kernel
 
 
-#: Kernels that read only the per-program partials another kernel wrote (gradfuse's own
-#: float32/int64 scratch, always aligned), never the gradients: no ALIGNED specialization.
-PARTIALS_ONLY = frozenset({"_stats_finish_kernel"})
+#: Kernels that never read the gradients, so have no ALIGNED specialization: the one that reads
+#: only the per-program partials another kernel wrote (gradfuse's own float32/int64 scratch, always
+#: aligned), and GradScaler's inverse scale (three scalars).
+PARTIALS_ONLY = frozenset({"_stats_finish_kernel", "_inverse_scale_kernel"})
 
 
 def test_the_grid_reaches_every_dtype_order_and_flag(results, report):
