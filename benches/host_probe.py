@@ -7,7 +7,8 @@ one scale.
     python benches/host_probe.py --standin  # the CPU tensors through the Triton path, launches
                                             # stopped at a stand-in (gradfuse.bench.host)
 
-Prints one report; no files. Not a benchmark (no torch ratio): a map for the next change.
+Prints one report (torch's clip timed beside, for scale); no files. Not a benchmark: a map for
+the next change.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ def per_call_us(fn, calls: int = 300, repeats: int = 7) -> float:
     for _ in range(20):
         fn()
     sync()
-    best = []
+    runs = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(calls):
             fn()
-        best.append((time.perf_counter() - start) / calls * 1e6)
+        runs.append((time.perf_counter() - start) / calls * 1e6)
         sync()
-    return statistics.median(best)
+    return statistics.median(runs)
 
 
 def sync():
