@@ -21,7 +21,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use std::ffi::{c_void, CStr, CString};
 
 // The Python layer's exception types (defined in `gradfuse._plan`, so that `import gradfuse`
@@ -145,21 +145,29 @@ impl TensorList {
         if addrs.iter().zip(&self.tensors).all(|(&a, t)| a == t.addr) {
             return Ok(true.into_pyobject(py)?.to_owned().into_any().unbind());
         }
-        Ok(addrs.into_pyobject(py)?.into_any().unbind())
+        Ok(PyBytes::new(py, &to_words(addrs)).into_any().unbind())
     }
 
-    /// The same list (sizes, dtypes, writability) at the addresses `addrs`, checked as a new list
-    /// is (alignment, and disjointness when writable); None when the new addresses fail a check
-    /// or change whether some tensor is 16-byte aligned (the GPU kernels group tensors by it).
-    fn moved(&self, addrs: Vec<usize>) -> Option<TensorList> {
+    /// This list's addresses as native-endian 64-bit words (see [`words`]): what [`probe`]
+    /// returns for tensors that moved, compared with a `bytes` equality.
+    fn words<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &to_words(self.tensors.iter().map(|t| t.addr)))
+    }
+
+    /// The same list (sizes, dtypes, writability) at the addresses `addrs` (see [`words`]),
+    /// checked as a new list is (alignment, and disjointness when writable); None when the new
+    /// addresses fail a check or change whether some tensor is 16-byte aligned (the GPU kernels
+    /// group tensors by it).
+    fn moved(&self, addrs: &[u8]) -> PyResult<Option<TensorList>> {
+        let addrs: Vec<usize> = words(addrs)?.collect();
         if addrs.len() != self.tensors.len() {
-            return None;
+            return Ok(None);
         }
         let mut tensors = Vec::with_capacity(addrs.len());
         for (i, (&addr, t)) in addrs.iter().zip(&self.tensors).enumerate() {
             let moved = RawTensor { addr, ..*t };
             if (addr % 16 == 0) != (t.addr % 16 == 0) || moved.validate(i).is_err() {
-                return None;
+                return Ok(None);
             }
             tensors.push(moved);
         }
@@ -171,9 +179,9 @@ impl TensorList {
             bytes: self.bytes,
         };
         if list.writable && list.check_disjoint(None).is_err() {
-            return None;
+            return Ok(None);
         }
-        Some(list)
+        Ok(Some(list))
     }
 
     fn __repr__(&self) -> String {
@@ -505,15 +513,41 @@ fn backend_env() -> Option<String> {
     std::env::var("GRADFUSE_BACKEND").ok()
 }
 
+/// The addresses `addrs` holds: native-endian 64-bit words, one per tensor (`array("Q", ...)`'s
+/// bytes, made once by the caller so that a call converts no Python integers); an error when its
+/// length is not a whole number of words.
+fn words(addrs: &[u8]) -> PyResult<impl Iterator<Item = usize> + '_> {
+    if addrs.len() % 8 != 0 {
+        return Err(PyValueError::new_err(format!(
+            "addresses: {} bytes is not a whole number of 8-byte words",
+            addrs.len()
+        )));
+    }
+    Ok(addrs.chunks_exact(8).map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")) as usize))
+}
+
+/// `addrs` as the native-endian 64-bit words [`words`] reads.
+fn to_words(addrs: impl IntoIterator<Item = usize>) -> Vec<u8> {
+    addrs.into_iter().flat_map(|a| (a as u64).to_ne_bytes()).collect()
+}
+
 /// Whether `params[i].grad is grads[i]` for every `i` (the lists of equal length), read through
-/// torch's `grad` getter in one pass; None when the probes are not set. A parameter that is not a
-/// plain tensor, or whose getter raises, makes it False.
+/// torch's `grad` getter in one pass, and, with `addrs` (see [`words`]), whether each
+/// `grads[i].data_ptr() == addrs[i]` too, in the same pass; None when the probes are not set. A
+/// parameter or gradient that is not a plain tensor, or a getter that raises, makes it False.
 #[pyfunction]
-fn grads_are(py: Python<'_>, params: &Bound<'_, PyList>, grads: &Bound<'_, PyList>) -> Option<bool> {
-    let probes = PROBES.get(py)?;
+#[pyo3(signature = (params, grads, addrs=None))]
+fn grads_are(
+    py: Python<'_>,
+    params: &Bound<'_, PyList>,
+    grads: &Bound<'_, PyList>,
+    addrs: Option<&[u8]>,
+) -> PyResult<Option<bool>> {
+    let Some(probes) = PROBES.get(py) else { return Ok(None) };
     let n = params.len();
-    if n != grads.len() {
-        return Some(false);
+    let wanted: Option<Vec<usize>> = addrs.map(words).transpose()?.map(Iterator::collect);
+    if n != grads.len() || wanted.as_ref().is_some_and(|w| w.len() != n) {
+        return Ok(Some(false));
     }
     let ahead = prefetch::offsets().filter(|_| prefetch::cold(n));
     for (i, (p, g)) in params.iter().zip(grads.iter()).enumerate() {
@@ -521,62 +555,51 @@ fn grads_are(py: Python<'_>, params: &Bound<'_, PyList>, grads: &Bound<'_, PyLis
             // SAFETY: the GIL is held and `params` is a live list.
             unsafe { probes.ahead(o, params, i, prefetch::GRAD) };
         }
-        // SAFETY: `p` is live (the list holds it), the GIL is held, and the getter is called on
-        // plain tensors only; the new reference is released.
+        // SAFETY: `p` and `g` are live (the lists hold them), the GIL is held, and the getters
+        // are called on plain tensors only; the new reference is released.
         let same = unsafe {
             let ptr = p.as_ptr();
             if !probes.is_plain(ptr) {
-                return Some(false);
+                return Ok(Some(false));
             }
-            let Some(grad) = probes.get(&probes.grad, ptr) else { return Some(false) };
+            let Some(grad) = probes.get(&probes.grad, ptr) else { return Ok(Some(false)) };
             let same = grad == g.as_ptr();
             ffi::Py_DECREF(grad);
-            same
+            // A list that grew under a getter has no wanted address past its first length.
+            let at = |w: &Vec<usize>| w.get(i).copied();
+            same && wanted.as_ref().is_none_or(|w| at(w).is_some() && probes.addr_of(g.as_ptr()) == at(w))
         };
         if !same {
-            return Some(false);
+            return Ok(Some(false));
         }
     }
     // A getter may have run Python code (a torch function mode) that shrank a list.
-    Some(params.len() == grads.len() && params.len() == n)
+    Ok(Some(params.len() == grads.len() && params.len() == n))
 }
 
-/// Whether `tensors[i].data_ptr() == addrs[i]` for every `i`, through torch's `data_ptr` in one
-/// pass; None when the probes are not set. A tensor that is not plain, or whose `data_ptr` raises,
-/// makes it False.
+/// Whether `tensors[i].data_ptr() == addrs[i]` for every `i` (`addrs`: see [`words`]), through
+/// torch's `data_ptr` in one pass; None when the probes are not set. A tensor that is not plain,
+/// or whose `data_ptr` raises, makes it False.
 #[pyfunction]
-fn addrs_are(py: Python<'_>, tensors: &Bound<'_, PyList>, addrs: Vec<usize>) -> Option<bool> {
-    let probes = PROBES.get(py)?;
-    if tensors.len() != addrs.len() {
-        return Some(false);
+fn addrs_are(py: Python<'_>, tensors: &Bound<'_, PyList>, addrs: &[u8]) -> PyResult<Option<bool>> {
+    let Some(probes) = PROBES.get(py) else { return Ok(None) };
+    let wanted: Vec<usize> = words(addrs)?.collect();
+    if tensors.len() != wanted.len() {
+        return Ok(Some(false));
     }
-    let ahead = prefetch::offsets().filter(|_| prefetch::cold(addrs.len()));
-    for (i, (t, &want)) in tensors.iter().zip(&addrs).enumerate() {
+    let ahead = prefetch::offsets().filter(|_| prefetch::cold(wanted.len()));
+    for (i, (t, &want)) in tensors.iter().zip(&wanted).enumerate() {
         if let Some(o) = ahead {
             // SAFETY: the GIL is held and `tensors` is a live list.
             unsafe { probes.ahead(o, tensors, i, prefetch::PROBE) };
         }
-        // SAFETY: as in `grads_are`.
-        let same = unsafe {
-            let ptr = t.as_ptr();
-            if !probes.is_plain(ptr) {
-                return Some(false);
-            }
-            let Some(addr) = probes.call(&probes.data_ptr, ptr) else { return Some(false) };
-            let value = ffi::PyLong_AsSize_t(addr);
-            ffi::Py_DECREF(addr);
-            if value == usize::MAX && !ffi::PyErr_Occurred().is_null() {
-                ffi::PyErr_Clear();
-                return Some(false);
-            }
-            value == want
-        };
-        if !same {
-            return Some(false);
+        // SAFETY: `t` is live (the list holds it) and the GIL is held.
+        if unsafe { probes.addr_of(t.as_ptr()) } != Some(want) {
+            return Ok(Some(false));
         }
     }
     // As in `grads_are`.
-    Some(tensors.len() == addrs.len())
+    Ok(Some(tensors.len() == wanted.len()))
 }
 
 impl Probes {
@@ -689,6 +712,20 @@ impl Probes {
                 // Inference tensors have no version counter: reading it raises.
                 ffi::Py_DECREF(self.get(&self.version, t)?);
             }
+            self.addr_of(t)
+        }
+    }
+
+    /// `t.data_ptr()` when `t` is a plain tensor and the call answers; else None.
+    ///
+    /// # Safety
+    /// `t` is a live object and the GIL is held.
+    unsafe fn addr_of(&self, t: *mut ffi::PyObject) -> Option<usize> {
+        if !self.is_plain(t) {
+            return None;
+        }
+        // SAFETY: the caller's; `data_ptr` is called on a plain tensor, its reference released.
+        unsafe {
             let addr = self.call(&self.data_ptr, t)?;
             let value = ffi::PyLong_AsSize_t(addr);
             ffi::Py_DECREF(addr);

@@ -183,6 +183,73 @@ def test_replaced_grad_is_measured_and_clipped():
     assert math.isclose(torch_norm(ours).item(), 1.0, rel_tol=1e-4)
 
 
+@pytest.fixture(params=["rust", "maps"])
+def probes(request, monkeypatch):
+    """The liveness checks through the Rust core's pass over torch's getters, or (a torch or
+    Python whose getters it cannot call) through C-level maps."""
+    from gradfuse import _plan
+
+    if request.param == "maps":
+        monkeypatch.setattr(_plan, "_PROBES", False)
+    elif not _plan.probes():
+        pytest.skip("the Rust core cannot call this torch's getters")
+    return request.param
+
+
+@pytest.mark.parametrize("how", ["data", "set_"])
+def test_a_view_re_pointed_in_place_is_measured_and_clipped_where_it_is_now(how, probes):
+    """The same ``.grad`` object, its memory moved out of the bucket (``.data =``, ``set_``): the
+    buckets' one-pass check reads each view's address too, so the buffers (which still hold the
+    old values) are not taken for the gradients."""
+    ours, theirs = pair()
+    buckets = gradfuse.GradBuckets(ours.parameters())
+    x = inputs()
+    backward(ours, x, side=True)  # every parameter's gradient its bucket view
+    backward(theirs, x, side=True)
+    assert buckets.owns([t.grad for t in ours.parameters()])
+    p, q = ours.fc1.weight, theirs.fc1.weight
+    view = p.grad
+    replacement = torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 3
+    if how == "data":
+        view.data = replacement.clone()
+    else:
+        view.set_(replacement.clone())
+    q.grad = replacement.clone()
+    assert p.grad is view
+    want_norm = torch.nn.utils.get_total_norm([t.grad for t in theirs.parameters()])
+    assert want_norm.item() > 20  # the new values dominate: the stale bucket's norm is far below
+    torch.testing.assert_close(buckets.get_total_norm(), want_norm, rtol=RTOL, atol=0)
+    total = buckets.clip_grad_norm_(1.0)
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)
+    torch.testing.assert_close(total, want, rtol=RTOL, atol=0)
+    assert_grads_equal(ours, theirs, exact=False)
+
+
+@pytest.mark.parametrize("how", ["data", "set_"])
+def test_a_main_grad_re_pointed_in_place_is_measured_and_clipped_where_it_is_now(how, probes):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).bfloat16()
+    buckets = gradfuse.GradBuckets(model.parameters(), grad_dtype=torch.float32)
+    model(torch.randn(4, 8).bfloat16()).float().square().sum().backward()
+    assert buckets.owns([p.main_grad for p in model.parameters()])
+    view = model[0].weight.main_grad
+    replacement = torch.randn(view.shape, generator=torch.Generator().manual_seed(5)) * 30
+    if how == "data":
+        view.data = replacement.clone()
+    else:
+        view.set_(replacement.clone())
+    assert model[0].weight.main_grad is view
+    grads = [p.main_grad.double() for p in model.parameters()]
+    want = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+    assert want.item() > 100  # the new values dominate: the stale bucket's norm is far below
+    torch.testing.assert_close(buckets.get_total_norm().double(), want, rtol=RTOL, atol=0)
+    total = buckets.clip_grad_norm_(1.0)
+    torch.testing.assert_close(total.double(), want, rtol=RTOL, atol=0)
+    coef = 1.0 / (total.double() + 1e-6)
+    for p, g in zip(model.parameters(), grads, strict=True):
+        torch.testing.assert_close(p.main_grad.double(), g * coef, rtol=RTOL, atol=1e-7)
+
+
 def test_total_norm_after_optimizer_zero_grad_is_zero():
     ours, _ = pair()
     buckets = gradfuse.GradBuckets(ours.parameters())

@@ -122,17 +122,20 @@ def test_a_walk_whose_list_shrinks_under_it_stays_inside_it():
             found = core.grads_of(victim)
         assert found is None or found == [] or all(isinstance(g, torch.Tensor) for g in found)
         # The liveness checks of GradBuckets and the DDP handover: a shrunk list is not the same.
-        victim = list(params)
-        with _Shrinking(victim):
-            assert core.grads_are(victim, list(grads)) is False
+        addrs = _plan.Addresses(g.data_ptr() for g in grads).words
+        for with_addrs in (None, addrs):
+            victim = list(params)
+            with _Shrinking(victim):
+                assert core.grads_are(victim, list(grads), with_addrs) is False
         victim = list(grads)
         with _Shrinking(victim):
-            assert core.addrs_are(victim, [g.data_ptr() for g in grads]) is False
+            assert core.addrs_are(victim, addrs) is False
         # And the same lists walked whole, without the mode.
         assert plan.tensor_list.probe(grads, True) is True
         assert core.grads_of(params) == grads
         assert core.grads_are(params, grads) is True
-        assert core.addrs_are(grads, [g.data_ptr() for g in grads]) is True
+        assert core.grads_are(params, grads, addrs) is True
+        assert core.addrs_are(grads, addrs) is True
     finally:
         core.prefetch(min_bytes=threshold)
 

@@ -70,8 +70,8 @@ def _table(plan: Plan) -> ChunkTable:
     return _kept(
         plan,
         "table",
-        lambda: ChunkTable(plan.device, [plan.addrs], plan.numels, [plan.codes]),
-        lambda old: old.moved([plan.addrs]),
+        lambda: ChunkTable(plan.device, [plan.addr_tensor()], plan.numels, [plan.codes]),
+        lambda old: old.moved([plan.addr_tensor()]),
     )
 
 

@@ -393,6 +393,10 @@ class GradBuckets:
         self._main_params = [p for p, m in zip(params, main, strict=True) if m]
         self._grad_views = [v for v, m in zip(views, main, strict=True) if not m]
         self._main_views = [v for v, m in zip(views, main, strict=True) if m]
+        # Their slots' addresses, which the views must still have (a view re-pointed with
+        # ``.data =`` or ``set_`` does not).
+        self._grad_addrs = P.Addresses(a for a, m in zip(self._ptrs, main, strict=True) if not m)
+        self._main_addrs = P.Addresses(a for a, m in zip(self._ptrs, main, strict=True) if m)
         #: Parameter index -> its position in ``_grad_views`` or ``_main_views``.
         counts = [0, 0]
         self._split_at = []
@@ -585,7 +589,7 @@ class GradBuckets:
     def _all_live(self) -> bool:
         """Whether every gradient is its live slot view (and no frozen parameter has one): the
         buffers then hold exactly the gradients, and gaps are zero."""
-        if not P.grads_are(self._grad_params, self._grad_views):
+        if not P.grads_are(self._grad_params, self._grad_views, self._grad_addrs):
             return False
         if self._main_params:
             try:
@@ -593,8 +597,8 @@ class GradBuckets:
                     return False
             except AttributeError:  # a main_grad deleted
                 return False
-        if not P.addrs_are(self._views, self._ptrs):
-            return False
+            if not P.addrs_are(self._main_views, self._main_addrs):
+                return False
         return not self._frozen or all(map(operator.is_, map(_grad, self._frozen), repeat(None)))
 
     def _gradients(self) -> tuple[list[Tensor], list[Tensor]]:

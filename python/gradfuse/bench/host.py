@@ -9,7 +9,12 @@ launches:
 - ``clip``: the drop-in ``gradfuse.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_``;
 - ``buckets``: ``GradBuckets.clip_grad_norm_`` against torch's clip of the same gradients;
 - ``scaler``: ``GradScaler.unscale_and_clip_`` against torch's ``unscale_`` + ``clip_grad_norm_``
-  (the loss scale 1, so that repeated unscaling changes nothing).
+  (the loss scale 1, so that repeated unscaling changes nothing);
+- ``moved``: the drop-in clip where each call's gradients are other tensors, at addresses no kept
+  plan describes (the parameters' ``.grad`` set, untimed, from one more gradient set than a plan
+  key keeps, in turn): a training loop that sets gradients to None and whose allocator hands the
+  new ones other memory. The plan is confirmed, then moved (the new addresses checked, the chunk
+  table's addresses uploaded again).
 
 On the CPU the torch thread count is 1 while a host workload runs (the Rust core's kernels then
 run on the calling thread, as the tiny tensors would anyway). On a machine without a GPU each
@@ -36,6 +41,7 @@ from types import SimpleNamespace
 import torch
 
 import gradfuse
+from gradfuse._plan import PLANS_PER_KEY
 
 from .cases import GRADFUSE_NORM_RTOL, INACTIVE_HEADROOM, Family, Pristine, parameters_for
 from .measure import BenchError
@@ -69,7 +75,7 @@ class HostFamily(Family):
         self.standin = device.type == "cpu" and not torch.cuda.is_available() and _install_standin()
 
     def impls(self):
-        if self.api == "clip":
+        if self.api in ("clip", "moved"):
             impls = {
                 "torch": lambda s, m: torch.nn.utils.clip_grad_norm_(s.params, m),
                 "gradfuse": lambda s, m: gradfuse.clip_grad_norm_(s.params, m),
@@ -91,6 +97,8 @@ class HostFamily(Family):
     def new_set_for(self, impl: str):
         params = parameters_for(self.pristine.clone())
         state = SimpleNamespace(params=params, impl=impl)
+        if self.api == "moved":
+            state.grad_sets = [[p.grad for p in params]] + [self.pristine.clone() for _ in range(PLANS_PER_KEY)]
         if self.api == "buckets" and impl != "torch":
             state.buckets = gradfuse.GradBuckets(params)
         if self.api == "scaler":
@@ -114,6 +122,9 @@ class HostFamily(Family):
         if state.impl.endswith(STANDIN):  # this call through the Triton backend (put back in verify)
             self._backend = os.environ.get("GRADFUSE_BACKEND")
             os.environ["GRADFUSE_BACKEND"] = "triton"
+        if self.api == "moved":
+            for p, g in zip(state.params, state.grad_sets[k % len(state.grad_sets)], strict=True):
+                p.grad = g
         max_norm = self.max_norm
         return lambda: fn(state, max_norm)
 

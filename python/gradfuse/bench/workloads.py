@@ -37,7 +37,7 @@ SWEEP_TOTAL_QUICK = 2**20
 #: gradients, and the APIs timed.
 HOST_COUNTS = (1, 148, 2000, 10_000)
 HOST_ELEMENTS = 16
-HOST_APIS = ("clip", "buckets", "scaler")
+HOST_APIS = ("clip", "buckets", "scaler", "moved")
 
 
 def gpt2_shapes(vocab: int = 50257, ctx: int = 1024, d: int = 768, layers: int = 12) -> list[Shape]:
