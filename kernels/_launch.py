@@ -277,8 +277,8 @@ class Prepared:
         #: The packed arguments of the first launch (the fixed ones bound; each call puts its own
         #: in the slots), from its full binding: None until then.
         self.packed = None
-        #: The slots' specs -> the compiled kernel (None: through the JIT), as ``launcher.compiled``
-        #: holds it for the whole key.
+        #: The slots' key (:meth:`_bind_slots`) -> the compiled kernel (None: through the JIT), as
+        #: ``launcher.compiled`` holds it for the whole key.
         self.kernels: dict[tuple, object] = {}
         self.generation = launcher.generation
 
@@ -295,22 +295,29 @@ class Prepared:
             self.generation = launcher.generation
         if self.packed is None:
             return self._through_launcher(values)
-        specs = []
         packed = self.packed.copy()
-        for p, plain, pos, a in zip(self.slot_params, self.slot_plain, self.slot_pos, values, strict=True):
-            if isinstance(a, _Tensor):  # the usual slot: a tensor made for the call
-                addr = packed[pos] = a.data_ptr()
-                specs.append((_POINTER_TYPES.get(a.dtype), addr % DIVISIBILITY == 0, False))
-            else:
-                spec, packed[pos] = _bind_arg(p, plain, a)
-                specs.append(spec)
-        specs = tuple(specs)
-        compiled = self.kernels.get(specs, _MISSING)
+        compiled = self.kernels.get(self._bind_slots(values, packed), _MISSING)
         if compiled is _MISSING or compiled is None or not _hooks_unset():
             return self._through_launcher(values)
         launch(compiled, self.grid, packed, self.device)
         launcher.direct += 1
         return compiled
+
+    def _bind_slots(self, values: tuple, packed: list) -> tuple:
+        """Puts ``values`` into ``packed`` (a tensor as its address) and returns the key of the
+        specialization they need, flat: per tensor its dtype and whether its address is 16-byte
+        aligned (which say its Triton pointer type and divisibility), per other value its spec
+        (:func:`_bind_arg`)."""
+        key = []
+        for p, plain, pos, a in zip(self.slot_params, self.slot_plain, self.slot_pos, values, strict=True):
+            if isinstance(a, _Tensor):  # the usual slot: a tensor made for the call
+                addr = packed[pos] = a.data_ptr()
+                key.append(a.dtype)
+                key.append(addr % DIVISIBILITY == 0)
+            else:
+                spec, packed[pos] = _bind_arg(p, plain, a)
+                key.append(spec)
+        return tuple(key)
 
     def moved(self, replace: dict[int, Ptr], allowed: set[int]) -> Prepared | None:
         """This launch with the fixed :class:`Ptr` arguments ``replace`` names (by id) replaced by
@@ -349,11 +356,11 @@ class Prepared:
         if self.packed is None:
             self.packed = packed.copy()
         compiled = launcher._launch_bound(self.grid, args, self.meta, self.device, key, packed)
-        specs = tuple([key[2][i] for i in self.slot_index])
-        if specs not in self.kernels:
+        slots = self._bind_slots(values, packed.copy())
+        if slots not in self.kernels:
             decided = launcher.compiled.get(key, _MISSING)
             if decided is not _MISSING:
-                self.kernels[specs] = decided
+                self.kernels[slots] = decided
         return compiled
 
 

@@ -256,6 +256,15 @@ def scenario_prepared_launch():
         len(LAUNCHED) == before and len(RECORDED) == 1,
         (len(LAUNCHED) - before, len(RECORDED)),
     )
+    wider = torch.full((), 0.5, dtype=torch.float64)  # aligned too: only its pointer type differs
+    before = len(LAUNCHED)
+    RECORDED.clear()
+    prepared(wider, wider, ct.f64_bits(1.0))
+    check(
+        "prepared: a float64 factor after float32 ones is not launched with their kernel",
+        len(LAUNCHED) == before and len(RECORDED) == 1,
+        (len(LAUNCHED) - before, len(RECORDED)),
+    )
     before = len(LAUNCHED)
     prepared(factor, factor, ct.f64_bits(1.1))  # max_norm_bits is not specialized: any value
     ok = len(LAUNCHED) == before + 1 and LAUNCHED[-1][0] is compiled and LAUNCHED[-1][2][7] == ct.f64_bits(1.1)

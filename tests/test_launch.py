@@ -57,6 +57,7 @@ EXPECTED = [
     "prepared: it passes what the launcher's own launch would",
     "prepared: the packed arguments match the compiled signature",
     "prepared: an unaligned factor after aligned ones is not launched with their kernel",
+    "prepared: a float64 factor after float32 ones is not launched with their kernel",
     "prepared: another value of an unspecialized integer launches directly, with that value",
     "prepared: a tensor among the fixed arguments raises",
     "prepared: a call with too few values raises",
