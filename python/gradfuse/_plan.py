@@ -170,7 +170,8 @@ class Plan:
     def addr_tensor(self) -> Tensor:
         """:attr:`addrs` as a new int64 CPU tensor (from :attr:`words`: ~1 us for 2000 addresses,
         where ``torch.as_tensor`` of the list takes ~80)."""
-        return torch.frombuffer(bytearray(self.words), dtype=torch.int64)
+        words = self.words
+        return torch.frombuffer(bytearray(words), dtype=torch.int64) if words else torch.zeros(0, dtype=torch.int64)
 
     @property
     def cached(self) -> bool:
