@@ -1,9 +1,11 @@
 """Host time per call (median µs) through the public API alone, so that it runs against any
 version of gradfuse: the drop-in clip, `GradBuckets.clip_grad_norm_` and
 `GradScaler.unscale_and_clip_` on the same list again (16-element fp32 gradients, an inactive clip,
-one thread) at 1, 148, 2000 and 10,000 tensors.
+one thread) at 1, 148, 2000 and 10,000 tensors; and ``moved``, the drop-in clip where each call's
+gradients are other tensors at other addresses (set, untimed, from more gradient sets than any
+version keeps plans for one list shape: a loop that sets gradients to None between steps).
 
-Usage: PYTHONPATH=<a checkout>/python taskset -c 1 python benches/host_time.py [clip] [buckets] [scaler]
+Usage: PYTHONPATH=<a checkout>/python taskset -c 1 python benches/host_time.py [clip] [buckets] [scaler] [moved]
 
 Run it against two checkouts in turn, alternating, to compare them on one machine.
 """
@@ -18,6 +20,8 @@ import gradfuse
 
 COUNTS = (1, 148, 2000, 10_000)
 MAX_NORM = 1e6  # far above the gradients' norm: an inactive clip
+#: Gradient sets the ``moved`` rows rotate through: more than the plans any version keeps per key (4, then 8).
+MOVED_SETS = 9
 
 
 def params(n: int) -> list[torch.nn.Parameter]:
@@ -54,6 +58,17 @@ def main(apis: list[str]) -> None:
             buckets = gradfuse.GradBuckets(params(n))
             row["buckets"] = median_us(lambda b=buckets: b.clip_grad_norm_(MAX_NORM), reps)
             buckets.remove()
+        if "moved" in apis:
+            ps = params(n)
+            sets = [[torch.randn(16) * 1e-2 for _ in range(n)] for _ in range(MOVED_SETS)]
+            turn = iter(range(10**9))
+
+            def next_set(ps=ps, sets=sets, turn=turn):
+                for p, g in zip(ps, sets[next(turn) % MOVED_SETS], strict=True):
+                    p.grad = g
+
+            next_set()
+            row["moved"] = median_us(lambda ps=ps: gradfuse.clip_grad_norm_(ps, MAX_NORM), reps, next_set)
         if "scaler" in apis:
             ps = params(n)
             opt = torch.optim.SGD(ps, lr=0.0)
@@ -65,4 +80,4 @@ def main(apis: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["clip", "buckets", "scaler"])
+    main(sys.argv[1:] or ["clip", "buckets", "scaler", "moved"])
