@@ -95,6 +95,7 @@ class ChunkTable:
         "_scratch_args",
         "addr_args",
         "addrs",
+        "aligned",
         "args",
         "chunk",
         "chunk_count",
@@ -103,7 +104,6 @@ class ChunkTable:
         "device",
         "first_chunk",
         "groups",
-        "kinds",
         "n_chunks",
         "n_tensors",
         "numel",
@@ -147,7 +147,8 @@ class ChunkTable:
             self.groups.append(Group(codes_of, all(k & 1 for k in sides), base, count, index))
             base += count
 
-        self.kinds = kinds
+        #: Per side, whether each tensor's address is 16-byte aligned (what :meth:`moved` checks).
+        self.aligned = [side % ALIGN_BYTES == 0 for side in addrs]
         self.device = device
         self.n_tensors = n
         self.n_chunks = n_chunks
@@ -185,8 +186,10 @@ class ChunkTable:
         counters shared between the two would let a kernel finalize before its partials are
         written."""
         addrs = [torch.as_tensor(side, dtype=torch.int64) for side in addrs]
-        codes = [(self.kinds >> (8 * s)) & 0xFF for s in range(len(addrs))]
-        if not torch.equal(_kinds(addrs, [c >> 1 for c in codes]), self.kinds):
+        # The dtypes are the table's: the groups stay when every alignment does.
+        if len(addrs) != len(self.aligned) or not all(
+            torch.equal(side % ALIGN_BYTES == 0, aligned) for side, aligned in zip(addrs, self.aligned, strict=True)
+        ):
             return None
         other = ChunkTable.__new__(ChunkTable)
         for slot in ChunkTable.__slots__:
