@@ -403,14 +403,7 @@ def _confirm(kept: list[Plan], tensors: list[Tensor], device, dense_ok: bool) ->
         if found is True:
             return _checked_devices(plan, tensors, device)
         words = found
-        kinds = [
-            p
-            for p in kept
-            if p.nbytes == plan.nbytes
-            and p.dtypes == plan.dtypes
-            and p.formats == plan.formats
-            and p.permuted_layouts == plan.permuted_layouts
-        ]
+        kinds = [p for p in kept if p is plan or _same_kind(p, plan)]
     else:
         if not set(map(type, tensors)) <= _PLAIN:
             return None
@@ -423,7 +416,7 @@ def _confirm(kept: list[Plan], tensors: list[Tensor], device, dense_ok: bool) ->
         if writing:
             deque(map(_version, tensors), maxlen=0)  # raises for an inference tensor: planned anew
         words = array("Q", map(_data_ptr, tensors)).tobytes()
-    same = [p for p in kinds if p.words == words]
+    same = [p for p in kinds if p._words == words]  # every kept plan has them (_keep, Plan.moved)
     if same:
         plan = same[0]
     else:
@@ -434,6 +427,18 @@ def _confirm(kept: list[Plan], tensors: list[Tensor], device, dense_ok: bool) ->
             return None
         plan = plan.moved(words, tensor_list)
     return _checked_devices(plan, tensors, device)
+
+
+def _same_kind(a: Plan, b: Plan) -> bool:
+    """Whether two plans describe tensors of the same dtypes, sizes and layouts. A moved plan
+    shares these lists with the plan it moved from, so identity answers first (comparing two
+    lists of 2000 is ~1.7 us, and a key keeps up to 8 plans)."""
+    return (
+        (a.nbytes is b.nbytes or a.nbytes == b.nbytes)
+        and (a.dtypes is b.dtypes or a.dtypes == b.dtypes)
+        and a.formats == b.formats
+        and (a.permuted_layouts is b.permuted_layouts or a.permuted_layouts == b.permuted_layouts)
+    )
 
 
 def _checked_devices(plan: Plan, tensors: list[Tensor], device) -> Plan | None:
@@ -522,6 +527,7 @@ def _device_index(device: torch.device) -> int:
 
 def _keep(plan: Plan) -> None:
     key = (plan.inplace, len(plan), plan.nbytes[0], plan.nbytes[-1])
+    plan.words  # noqa: B018 (made now: every kept plan has its words, which _confirm compares)
     with _LOCK:
         kept = _PLANS.pop(key, [])
         kept.insert(0, plan)
