@@ -114,11 +114,13 @@ impl TensorList {
     /// own attribute getters (see [`set_probes`]): each a plain tensor (`torch.Tensor` or
     /// `nn.Parameter`) with this list's dtype and size in bytes, contiguous in its memory format
     /// (see `formats`; a [`PERMUTED`] one's sizes and strides are the caller's to confirm), and
-    /// with `writing`
-    /// not an inference tensor. Returns None when one is not (or a probe raised: the caller plans
-    /// the list anew, which names the problem), True when they are at this list's addresses too,
-    /// else their addresses. Raises when the probes are not set.
-    fn probe(&self, py: Python<'_>, tensors: &Bound<'_, PyList>, writing: bool) -> PyResult<Py<PyAny>> {
+    /// with `writing` not an inference tensor; one at another address than this list's on
+    /// `device` (`Tensor.get_device()`'s index, -1 for the CPU), read then: an address names its
+    /// device, so one at this list's own address needs no reading. Returns None when one is not
+    /// (or a probe raised: the caller plans the list anew, which names the problem), True when
+    /// they are at this list's addresses too, else their addresses (see [`words`]). Raises when
+    /// the probes are not set.
+    fn probe(&self, py: Python<'_>, tensors: &Bound<'_, PyList>, writing: bool, device: i64) -> PyResult<Py<PyAny>> {
         let probes = PROBES.get(py).ok_or_else(|| PyRuntimeError::new_err("gradfuse._rust: probes not set"))?;
         if tensors.len() != self.tensors.len() {
             return Ok(py.None());
@@ -134,8 +136,11 @@ impl TensorList {
             // SAFETY: `t` is a live object (the list holds it) and the GIL is held; `probe_one`
             // calls torch's getters only on exact `torch.Tensor`/`nn.Parameter` instances.
             match unsafe { probes.probe_one(t.as_ptr(), want, writing, format) } {
-                Some(addr) => addrs.push(addr),
-                None => return Ok(py.None()),
+                // SAFETY: as above; `probe_one` found `t` a plain tensor.
+                Some(addr) if addr == want.addr || unsafe { probes.device_of(t.as_ptr()) } == Some(device) => {
+                    addrs.push(addr)
+                }
+                _ => return Ok(py.None()),
             }
         }
         if addrs.len() != self.tensors.len() {
@@ -310,6 +315,7 @@ struct Probes {
     grad: Getter,
     data_ptr: Method,
     is_contiguous: Method,
+    get_device: Method,
     /// `is_contiguous`'s keyword arguments for memory formats 1..=LAYOUTS (`memory_format=...`).
     layouts: Vec<Py<PyDict>>,
     /// torch's dtype objects of codes 0..=3, and the plain tensor types.
@@ -395,7 +401,8 @@ fn method_of(descr: &Bound<'_, PyAny>, name: &str) -> Option<Method> {
 }
 
 /// Sets the probes of [`TensorList::probe`], [`grads_are`] and [`addrs_are`]: `getters` are
-/// torch's getset descriptors `dtype`, `nbytes`, `_version` and `grad`, `methods` its method descriptors `data_ptr` and `is_contiguous` (as
+/// torch's getset descriptors `dtype`, `nbytes`, `_version` and `grad`, `methods` its method
+/// descriptors `data_ptr`, `is_contiguous` and `get_device` (as
 /// `torch.Tensor` resolves them), `dtypes` the dtype objects of codes 0..=3, `plain` the tensor
 /// types probed and `layouts` the keyword arguments of `is_contiguous` for memory formats
 /// 1..=LAYOUTS (`{"memory_format": torch.channels_last}`, ...). Returns False, setting nothing, when any descriptor is not what a probe can call
@@ -410,8 +417,8 @@ fn set_probes(
     plain: Vec<Py<PyAny>>,
     layouts: Vec<Py<PyDict>>,
 ) -> PyResult<bool> {
-    if getters.len() != 4 || methods.len() != 2 || dtypes.len() != 4 || layouts.len() != LAYOUTS {
-        return Err(PyValueError::new_err(format!("set_probes: 4 getters, 2 methods, 4 dtypes, {LAYOUTS} layouts")));
+    if getters.len() != 4 || methods.len() != 3 || dtypes.len() != 4 || layouts.len() != LAYOUTS {
+        return Err(PyValueError::new_err(format!("set_probes: 4 getters, 3 methods, 4 dtypes, {LAYOUTS} layouts")));
     }
     let (Some(dtype), Some(nbytes), Some(version), Some(grad)) = (
         getter_of(&getters[0], "dtype"),
@@ -421,13 +428,16 @@ fn set_probes(
     ) else {
         return Ok(false);
     };
-    let (Some(data_ptr), Some(is_contiguous @ Method::Keywords(_))) =
-        (method_of(&methods[0], "data_ptr"), method_of(&methods[1], "is_contiguous"))
-    else {
+    let (Some(data_ptr), Some(is_contiguous @ Method::Keywords(_)), Some(get_device)) = (
+        method_of(&methods[0], "data_ptr"),
+        method_of(&methods[1], "is_contiguous"),
+        method_of(&methods[2], "get_device"),
+    ) else {
         return Ok(false); // is_contiguous takes memory_format: a torch whose does not is not probed
     };
     let empty = PyTuple::empty(py).unbind();
-    let probes = Probes { dtype, nbytes, version, grad, data_ptr, is_contiguous, layouts, dtypes, plain, empty };
+    let probes =
+        Probes { dtype, nbytes, version, grad, data_ptr, is_contiguous, get_device, layouts, dtypes, plain, empty };
     let _ = PROBES.set(py, probes);
     Ok(true)
 }
@@ -713,6 +723,24 @@ impl Probes {
                 ffi::Py_DECREF(self.get(&self.version, t)?);
             }
             self.addr_of(t)
+        }
+    }
+
+    /// `t.get_device()` (-1 for the CPU) when the call answers; else None.
+    ///
+    /// # Safety
+    /// `t` is a live plain tensor and the GIL is held.
+    unsafe fn device_of(&self, t: *mut ffi::PyObject) -> Option<i64> {
+        // SAFETY: the caller's; the new reference is released.
+        unsafe {
+            let index = self.call(&self.get_device, t)?;
+            let value = ffi::PyLong_AsLongLong(index);
+            ffi::Py_DECREF(index);
+            if value == -1 && !ffi::PyErr_Occurred().is_null() {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            Some(value)
         }
     }
 

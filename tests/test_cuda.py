@@ -583,6 +583,23 @@ def _bucketed_mlp(dtype=torch.float32, grad_dtype=None):
     return model, reference, buckets
 
 
+def test_a_list_of_one_shape_made_again_on_either_device_gives_torchs_answer():
+    """Plans are kept by a list's shape, not its device: gradients of the same shapes made again
+    at every call, by turns on the CPU and on the GPU (a kept plan of each; the probe reads the
+    device of a tensor that moved), are clipped where they are, as torch clips them."""
+    gen = torch.Generator().manual_seed(0)
+    for step in range(8):
+        device = "cpu" if step % 2 == 0 else DEVICE
+        grads = [torch.randn(n, generator=gen).to(device) for n in (7, 4096, 33)]
+        theirs = clones(grads)
+        total = gradfuse.clip_grad_norm_(params_of(grads), 0.5)
+        want = torch.nn.utils.clip_grad_norm_(params_of(theirs), 0.5)
+        assert total.device.type == torch.device(device).type
+        assert close(total.item(), want.item(), 2e-6), step
+        for g, t in zip(grads, theirs, strict=True):
+            torch.testing.assert_close(g, t, rtol=2e-6, atol=0)
+
+
 def test_buckets_grads_and_clip_match_torch():
     model, reference, buckets = _bucketed_mlp()
     assert len(buckets.buffers) > 1

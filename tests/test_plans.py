@@ -385,6 +385,23 @@ def test_an_empty_tensor_on_another_device_is_not_taken_for_the_kept_one():
         gradfuse.multi_tensor_norm([torch.zeros(0, device="meta"), tensors[1]])
 
 
+def test_the_probe_reads_the_device_of_a_tensor_that_moved_and_only_then():
+    """A kept plan's tensors at other addresses must be on the plan's device (the probe reads it,
+    in its one pass); at the plan's own addresses the address says the device and nothing is
+    read. With one device here, the probe is asked about a device the tensors are not on."""
+    if not _plan.probes():
+        pytest.skip("the Rust core cannot call this torch's getters")
+    grads = [torch.randn(6), torch.randn(4)]
+    plan = _plan.make_plan("test", "grads", grads, inplace=True)
+    elsewhere = [g.clone() for g in grads]
+    assert plan.tensor_list.probe(elsewhere, True, -1) == _plan.Addresses(g.data_ptr() for g in elsewhere).words
+    assert plan.tensor_list.probe(elsewhere, True, 0) is None  # not on cuda:0: no move
+    assert plan.tensor_list.probe(grads, True, 0) is True  # the plan's own addresses: not read
+    half = [grads[0], elsewhere[1]]
+    assert plan.tensor_list.probe(half, True, 0) is None
+    assert plan.tensor_list.probe(half, True, -1) == _plan.Addresses(g.data_ptr() for g in half).words
+
+
 def test_an_inference_tensor_in_place_of_a_kept_one_gets_torchs_error():
     """Outside inference mode torch refuses to write an inference tensor in place: so does a
     call that finds one where a kept plan had a normal tensor (same size, dtype, address or not)."""

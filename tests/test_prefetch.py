@@ -117,7 +117,7 @@ def test_a_walk_whose_list_shrinks_under_it_stays_inside_it():
         plan = _plan.make_plan("test", "grads", grads, inplace=True)
         walked, victim = list(grads), list(params)
         with _Shrinking(walked):
-            assert plan.tensor_list.probe(walked, True) is None  # the list it was asked about is gone
+            assert plan.tensor_list.probe(walked, True, -1) is None  # the list it was asked about is gone
         with _Shrinking(victim):
             found = core.grads_of(victim)
         assert found is None or found == [] or all(isinstance(g, torch.Tensor) for g in found)
@@ -131,7 +131,7 @@ def test_a_walk_whose_list_shrinks_under_it_stays_inside_it():
         with _Shrinking(victim):
             assert core.addrs_are(victim, addrs) is False
         # And the same lists walked whole, without the mode.
-        assert plan.tensor_list.probe(grads, True) is True
+        assert plan.tensor_list.probe(grads, True, -1) is True
         assert core.grads_of(params) == grads
         assert core.grads_are(params, grads) is True
         assert core.grads_are(params, grads, addrs) is True

@@ -91,6 +91,7 @@ class Plan:
         "codes",
         "copied",
         "device",
+        "device_index",
         "dtypes",
         "empty",
         "formats",
@@ -116,6 +117,8 @@ class Plan:
         self.device = device
         #: ``device.type == "cuda"``, read once (the getter makes a string: ~150 ns a call).
         self.on_cuda = device.type == "cuda"
+        #: What ``Tensor.get_device()`` says of a tensor on ``device`` (-1 for the CPU).
+        self.device_index = device.index if self.on_cuda else -1
         self._addrs = addrs
         self._words = None
         self.numels = numels
@@ -211,8 +214,8 @@ class Plan:
 
 #: What a plan moved to other addresses keeps as it is.
 _KEPT_WHEN_MOVED = (
-    "name", "inplace", "device", "on_cuda", "numels", "codes", "dtypes", "nbytes", "empty", "formats", "laid_out",
-    "out_dtype", "permuted", "permuted_layouts",
+    "name", "inplace", "device", "device_index", "on_cuda", "numels", "codes", "dtypes", "nbytes", "empty",
+    "formats", "laid_out", "out_dtype", "permuted", "permuted_layouts",
 )  # fmt: skip
 
 
@@ -352,7 +355,7 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
     address is then read.
     The same addresses: the plan as it is. Other addresses (a gradient set to None and made again,
     ``.data =``, ``set_``): the plan moved there, checked by the Rust core as a new one is
-    (alignment, overlap), and the devices of the tensors read. An address identifies its device
+    (alignment, overlap), and the devices of the tensors that moved read. An address identifies its device
     (the host and every GPU share one virtual address space), except for empty tensors, whose
     devices are read at every call. Anything else (a dtype, a size, a layout, the length, a type)
     makes a new plan.
@@ -393,16 +396,17 @@ def _confirm(kept: list[Plan], tensors: list[Tensor], device, dense_ok: bool) ->
     writing = kept[0].inplace and not torch.is_inference_mode_enabled()
     if probes():
         # One pass of the Rust core through torch's own getters: None, True (the same
-        # addresses) or the addresses; then the sizes and strides of the permuted tensors.
+        # addresses) or the addresses, on the plan's device (read where an address moved); then
+        # the sizes and strides of the permuted tensors.
         for plan in kept:
-            found = plan.tensor_list.probe(tensors, writing)
+            found = plan.tensor_list.probe(tensors, writing, plan.device_index)
             if found is not None and (not plan.permuted or _same_layouts(plan, tensors)):
                 break
         else:
             return None
         if found is True:
             return _checked_devices(plan, tensors, device)
-        words = found
+        words, devices_read = found, True
         kinds = [p for p in kept if p is plan or _same_kind(p, plan)]
     else:
         if not set(map(type, tensors)) <= _PLAIN:
@@ -415,12 +419,12 @@ def _confirm(kept: list[Plan], tensors: list[Tensor], device, dense_ok: bool) ->
         plan = kinds[0]
         if writing:
             deque(map(_version, tensors), maxlen=0)  # raises for an inference tensor: planned anew
-        words = array("Q", map(_data_ptr, tensors)).tobytes()
+        words, devices_read = array("Q", map(_data_ptr, tensors)).tobytes(), False
     same = [p for p in kinds if p._words == words]  # every kept plan has them (_keep, Plan.moved)
     if same:
         plan = same[0]
     else:
-        if set(map(_get_device, tensors)) != {_device_index(plan.device)}:
+        if not devices_read and set(map(_get_device, tensors)) != {plan.device_index}:
             return None
         tensor_list = plan.tensor_list.moved(words)
         if tensor_list is None:
@@ -507,7 +511,7 @@ def _set_probes() -> bool:
     try:
         ok = rust_core().set_probes(
             [Tensor.dtype, Tensor.nbytes, Tensor._version, Tensor.grad],
-            [Tensor.data_ptr, Tensor.is_contiguous],
+            [Tensor.data_ptr, Tensor.is_contiguous, Tensor.get_device],
             list(DTYPE_CODES),
             [Tensor, torch.nn.Parameter],
             [{"memory_format": layout} for layout in LAYOUTS[1:]],
@@ -519,10 +523,6 @@ def _set_probes() -> bool:
         if offsets is not None:
             rust_core().prefetch(offsets)
     return ok
-
-
-def _device_index(device: torch.device) -> int:
-    return -1 if device.type == "cpu" else device.index
 
 
 def _keep(plan: Plan) -> None:
