@@ -5,7 +5,11 @@ one thread) at 1, 148, 2000 and 10,000 tensors; and ``moved``, the drop-in clip 
 gradients are other tensors at other addresses (set, untimed, from more gradient sets than any
 version keeps plans for one list shape: a loop that sets gradients to None between steps).
 
-Usage: PYTHONPATH=<a checkout>/python taskset -c 1 python benches/host_time.py [clip] [buckets] [scaler] [moved]
+Usage: PYTHONPATH=<a checkout>/python taskset -c 1 python benches/host_time.py [--standin] [API ...]
+(APIs: clip, buckets, scaler, moved; all four by default.)
+
+``--standin``: through the Triton backend with the host bench's stand-in launcher (no GPU: each
+launch stops at the compiled kernel's launcher; ``gradfuse.bench.host``), the CUDA path's host work.
 
 Run it against two checkouts in turn, alternating, to compare them on one machine.
 """
@@ -79,5 +83,19 @@ def main(apis: list[str]) -> None:
         print(n, {k: round(v, 1) for k, v in row.items()}, flush=True)
 
 
+def standin() -> None:
+    import os
+
+    from gradfuse.bench.host import _install_standin
+
+    if not _install_standin():
+        raise SystemExit("--standin: Triton runs under its interpreter here (TRITON_INTERPRET): no launch path")
+    os.environ["GRADFUSE_BACKEND"] = "triton"
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["clip", "buckets", "scaler", "moved"])
+    args = sys.argv[1:]
+    if "--standin" in args:
+        args.remove("--standin")
+        standin()
+    main(args or ["clip", "buckets", "scaler", "moved"])
