@@ -349,6 +349,32 @@ def test_a_kept_plan_holds_no_tensor():
     assert all(r() is None for r in refs)
 
 
+def test_lists_of_one_shape_taken_in_turn_each_keep_their_plan(monkeypatch):
+    """Up to PLANS_PER_KEY lists of one shape at their own addresses, called in turn (the bench's
+    buffer sets of two implementations; models of one architecture), each find their own plan
+    after the first round: none is moved (on CUDA a move uploads addresses and allocates the
+    table's scratch), none is built again. One list more and they move."""
+    moves = []
+    monkeypatch.setattr(_plan.Plan, "moved", lambda self, *a, real=_plan.Plan.moved: moves.append(1) or real(self, *a))
+    gen = torch.Generator().manual_seed(0)
+
+    def rounds(n_lists):
+        lists = [[torch.randn(5, generator=gen), torch.randn(3, 2, generator=gen)] for _ in range(n_lists)]
+        for _ in range(2):
+            for grads in lists:
+                want = ref_norms(grads, 2.0)[0]
+                assert close(gradfuse.get_total_norm(grads).item(), want, 2e-6)
+        moves.clear()
+        for grads in lists:
+            gradfuse.get_total_norm(grads)
+        return len(moves)
+
+    _plan.clear_plans()
+    assert rounds(_plan.PLANS_PER_KEY) == 0
+    _plan.clear_plans()
+    assert rounds(_plan.PLANS_PER_KEY + 1) == _plan.PLANS_PER_KEY + 1
+
+
 def test_a_kept_plan_holds_no_tensor_of_a_source_planned_for_one_call(backend):
     """accumulate_ over a kept ``dst`` plan with a ``src`` that is planned for the call alone (a
     transposed source is copied, and the plan of the copy holds the list it works on): nothing the
