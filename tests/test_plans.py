@@ -420,12 +420,12 @@ def test_the_probe_reads_the_device_of_a_tensor_that_moved_and_only_then():
     grads = [torch.randn(6), torch.randn(4)]
     plan = _plan.make_plan("test", "grads", grads, inplace=True)
     elsewhere = [g.clone() for g in grads]
-    assert plan.tensor_list.probe(elsewhere, True, -1) == _plan.Addresses(g.data_ptr() for g in elsewhere).words
+    assert plan.tensor_list.probe(elsewhere, True, -1) == _plan.as_words(g.data_ptr() for g in elsewhere)
     assert plan.tensor_list.probe(elsewhere, True, 0) is None  # not on cuda:0: no move
     assert plan.tensor_list.probe(grads, True, 0) is True  # the plan's own addresses: not read
     half = [grads[0], elsewhere[1]]
     assert plan.tensor_list.probe(half, True, 0) is None
-    assert plan.tensor_list.probe(half, True, -1) == _plan.Addresses(g.data_ptr() for g in half).words
+    assert plan.tensor_list.probe(half, True, -1) == _plan.as_words(g.data_ptr() for g in half)
 
 
 def test_an_inference_tensor_in_place_of_a_kept_one_gets_torchs_error():

@@ -122,7 +122,7 @@ def test_a_walk_whose_list_shrinks_under_it_stays_inside_it():
             found = core.grads_of(victim)
         assert found is None or found == [] or all(isinstance(g, torch.Tensor) for g in found)
         # The liveness checks of GradBuckets and the DDP handover: a shrunk list is not the same.
-        addrs = _plan.Addresses(g.data_ptr() for g in grads).words
+        addrs = _plan.as_words(g.data_ptr() for g in grads)
         for with_addrs in (None, addrs):
             victim = list(params)
             with _Shrinking(victim):

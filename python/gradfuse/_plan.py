@@ -167,7 +167,7 @@ class Plan:
         """:attr:`addrs` as native-endian 64-bit words: what a probe returns for tensors that
         moved, compared with one ``bytes`` equality where a list compares an integer at a time."""
         if self._words is None:
-            self._words = array("Q", self._addrs).tobytes()
+            self._words = as_words(self._addrs)
         return self._words
 
     def addr_tensor(self) -> Tensor:
@@ -355,7 +355,7 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
     address is then read.
     The same addresses: the plan as it is. Other addresses (a gradient set to None and made again,
     ``.data =``, ``set_``): the plan moved there, checked by the Rust core as a new one is
-    (alignment, overlap), and the devices of the tensors that moved read. An address identifies its device
+    (alignment, overlap), and the device of each tensor that moved read. An address identifies its device
     (the host and every GPU share one virtual address space), except for empty tensors, whose
     devices are read at every call. Anything else (a dtype, a size, a layout, the length, a type)
     makes a new plan.
@@ -419,7 +419,7 @@ def _confirm(kept: list[Plan], tensors: list[Tensor], device, dense_ok: bool) ->
         plan = kinds[0]
         if writing:
             deque(map(_version, tensors), maxlen=0)  # raises for an inference tensor: planned anew
-        words, devices_read = array("Q", map(_data_ptr, tensors)).tobytes(), False
+        words, devices_read = as_words(map(_data_ptr, tensors)), False
     same = [p for p in kinds if p._words == words]  # every kept plan has them (_keep, Plan.moved)
     if same:
         plan = same[0]
@@ -472,6 +472,12 @@ def grads_of(params: list, without: torch.dtype | None = None) -> list[Tensor] |
     return rust_core().grads_of(params, without) if probes() else None
 
 
+def as_words(addrs: Iterable[int]) -> bytes:
+    """Addresses as native-endian 64-bit words, the form the Rust core reads and returns them in
+    (``bytes``: compared in one equality, read without a Python integer per tensor)."""
+    return array("Q", addrs).tobytes()
+
+
 class Addresses:
     """Data addresses to confirm tensors against (:func:`grads_are`, :func:`addrs_are`): kept
     as a list and as the native 64-bit words the Rust pass reads without converting a Python
@@ -481,7 +487,7 @@ class Addresses:
 
     def __init__(self, addrs: Iterable[int]):
         self.list = list(addrs)
-        self.words = array("Q", self.list).tobytes()
+        self.words = as_words(self.list)
 
 
 def grads_are(params: list, grads: list, addrs: Addresses | None = None) -> bool:
