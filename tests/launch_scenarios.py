@@ -247,24 +247,18 @@ def scenario_prepared_launch():
     problems = packed_matches_signature(compiled, LAUNCHED[-1][2], pointers) if LAUNCHED else ["no launch"]
     check("prepared: the packed arguments match the compiled signature", not problems, problems)
 
-    unaligned = torch.zeros(2)[1:].fill_(0.5)
-    before = len(LAUNCHED)
-    RECORDED.clear()
-    prepared(unaligned, unaligned, ct.f64_bits(1.0))
-    check(
-        "prepared: an unaligned factor after aligned ones is not launched with their kernel",
-        len(LAUNCHED) == before and len(RECORDED) == 1,
-        (len(LAUNCHED) - before, len(RECORDED)),
-    )
-    wider = torch.full((), 0.5, dtype=torch.float64)  # aligned too: only its pointer type differs
-    before = len(LAUNCHED)
-    RECORDED.clear()
-    prepared(wider, wider, ct.f64_bits(1.0))
-    check(
-        "prepared: a float64 factor after float32 ones is not launched with their kernel",
-        len(LAUNCHED) == before and len(RECORDED) == 1,
-        (len(LAUNCHED) - before, len(RECORDED)),
-    )
+    for name, odd in (
+        ("an unaligned factor after aligned ones", torch.zeros(2)[1:].fill_(0.5)),
+        ("a float64 factor after float32 ones", torch.full((), 0.5, dtype=torch.float64)),  # aligned too
+    ):
+        before = len(LAUNCHED)
+        RECORDED.clear()
+        prepared(odd, odd, ct.f64_bits(1.0))
+        check(
+            f"prepared: {name} is not launched with their kernel",
+            len(LAUNCHED) == before and len(RECORDED) == 1,
+            (len(LAUNCHED) - before, len(RECORDED)),
+        )
     before = len(LAUNCHED)
     prepared(factor, factor, ct.f64_bits(1.1))  # max_norm_bits is not specialized: any value
     ok = len(LAUNCHED) == before + 1 and LAUNCHED[-1][0] is compiled and LAUNCHED[-1][2][7] == ct.f64_bits(1.1)
