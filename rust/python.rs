@@ -153,12 +153,6 @@ impl TensorList {
         Ok(PyBytes::new(py, &to_words(addrs)).into_any().unbind())
     }
 
-    /// This list's addresses as native-endian 64-bit words (see [`words`]): what [`probe`]
-    /// returns for tensors that moved, compared with a `bytes` equality.
-    fn words<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, &to_words(self.tensors.iter().map(|t| t.addr)))
-    }
-
     /// The same list (sizes, dtypes, writability) at the addresses `addrs` (see [`words`]),
     /// checked as a new list is (alignment, and disjointness when writable); None when the new
     /// addresses fail a check or change whether some tensor is 16-byte aligned (the GPU kernels
