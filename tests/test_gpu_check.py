@@ -193,3 +193,4 @@ def test_every_bench_pattern_names_cuda_workloads_and_the_host_family_is_among_t
     assert names and len(names) == len(set(names))
     assert {f"host_{api}_{n}" for api in ("clip", "buckets", "scaler") for n in (1, 148, 2000, 10000)} <= set(names)
     assert not any(name.startswith("clip_sweep") for name in names)  # a visit of its own
+    assert not any(name.startswith("host_moved") for name in names)  # no bar: on request, within the limit
