@@ -356,6 +356,13 @@ def handover_is_right_when_fresh_and_raises_when_visibly_stale(rank, world):
     stale = {
         "mul_": (lambda m: m.module.head.weight.grad.mul_(0.5), "version counters moved"),
         "replaced": (lambda m: setattr(m.module.head.weight, "grad", m.module.head.weight.grad.clone()), "not one"),
+        # Another object over the same memory: what the backward left is an object, not an address.
+        "viewed again": (
+            lambda m: setattr(
+                m.module.head.weight, "grad", m.module.head.weight.grad.view(-1).view_as(m.module.head.weight)
+            ),
+            "not one",
+        ),
         "set to None": (lambda m: setattr(m.module.head.bias, "grad", None), "gradients were given"),
         "re-pointed": (
             lambda m: setattr(m.module.head.weight.grad, "data", m.module.head.weight.grad.clone()),

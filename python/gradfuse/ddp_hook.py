@@ -47,6 +47,7 @@ changes where a pass runs, not what it computes.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 
 import torch
@@ -61,6 +62,7 @@ Tensor = torch.Tensor
 __all__ = ["DDPHookState", "handed_over", "register_ddp_hook", "state_for"]
 
 _OP = "gradfuse.register_ddp_hook"
+_deref = weakref.ref.__call__
 
 #: Every live hook state, for the clip and the scaler to find the buckets their gradients view.
 _LIVE: weakref.WeakSet[DDPHookState] = weakref.WeakSet()
@@ -106,6 +108,9 @@ class DDPHookState:
         self._failure: str | None = None
         self._sealed = False
         self._grads: dict[int, tuple[weakref.ref, int]] = {}
+        #: The same gradients in parameter order, for the one-pass check of a list in that order
+        #: (:meth:`_mismatch`): their weak references and addresses.
+        self._in_order: tuple[list[weakref.ref], P.Addresses] | None = None
         self._versions: list[tuple[weakref.ref, int]] = []
         self._total: Tensor | None = None
         self._found_any: Tensor | None = None
@@ -226,6 +231,8 @@ class DDPHookState:
             self._why = "some parameters have no gradient, and the norm's order is negative"
             self._grads.clear()
             return
+        entries = list(self._grads.values())  # in parameter order (insertion order)
+        self._in_order = ([ref for ref, _ in entries], P.Addresses(address for _, address in entries))
         self._versions = [(weakref.ref(b), b._version) for b in buffers]
         self._buffers, self._bucket_params = {}, {}  # weak from here on: a rebuild frees the old buffers
         # Combined here, before backward returns: after it, nothing is left to compute.
@@ -298,16 +305,25 @@ class DDPHookState:
         """Why ``grads`` are visibly not what the sealed backward left, or None."""
         if len(grads) != len(self._grads):
             return f"{len(grads)} gradients were given, and the backward left {len(self._grads)}"
-        seen = set()
-        for i, g in enumerate(grads):
-            entry = self._grads.get(id(g))
-            if entry is None or entry[0]() is not g:
-                return f"gradient {i} (shape {tuple(g.shape)}) is not one the backward left (replaced or set since)"
-            if g.data_ptr() != entry[1]:
-                return f"gradient {i} (shape {tuple(g.shape)}) no longer views its bucket (re-pointed since)"
-            seen.add(id(g))
-        if len(seen) != len(grads):
-            return "a gradient was given twice"
+        refs, addrs = self._in_order or ([], None)
+        # In parameter order (the usual list), one C-level pass and one Rust pass: the same
+        # objects, at the same addresses; otherwise (another order, or a change) each is looked up.
+        if not (
+            addrs is not None
+            and len(refs) == len(grads)
+            and all(map(operator.is_, grads, map(_deref, refs)))
+            and P.addrs_are(grads, addrs)
+        ):
+            seen = set()
+            for i, g in enumerate(grads):
+                entry = self._grads.get(id(g))
+                if entry is None or entry[0]() is not g:
+                    return f"gradient {i} (shape {tuple(g.shape)}) is not one the backward left (replaced or set since)"
+                if g.data_ptr() != entry[1]:
+                    return f"gradient {i} (shape {tuple(g.shape)}) no longer views its bucket (re-pointed since)"
+                seen.add(id(g))
+            if len(seen) != len(grads):
+                return "a gradient was given twice"
         for ref, version in self._versions:
             buffer = ref()
             if buffer is None:
