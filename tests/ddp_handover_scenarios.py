@@ -32,6 +32,7 @@ from ddp_hook_scenarios import (
     zero,
 )
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradfuse
@@ -569,3 +570,28 @@ def an_empty_parameter_is_no_stale_handover(rank, world):
     rows = trainer.fit()
     assert counts == [[], []], f"the clip after backward touched the gradients: {counts}"
     assert rows[-1]["grad_norm"] == trainer.grads.hook.total_norm().item()
+
+
+def a_parameter_ddp_ignores_is_outside_the_handover(rank, world):
+    """A parameter DDP was told to ignore keeps its own, unreduced gradient, outside every bucket:
+    the hook's norm is not of it. A handover over every parameter raises (the backward left one
+    gradient fewer in the buckets) with nothing modified; without it, the gradients are read
+    (torch's answer, this rank's gradients)."""
+
+    def ignoring():
+        model = Net()
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["head.bias"])
+        return model
+
+    ours, state, theirs = pair(ignoring)
+    _backward(ours, theirs, rank, 1)
+    assert ours.module.head.bias.grad is not None  # computed, not reduced
+    before = [p.grad.clone() for p in ours.parameters()]
+    with _raises(RuntimeError, "gradients were given"):
+        gradfuse.clip_grad_norm_(ours.parameters(), MAX_NORM, measured=state)
+    for p, b in zip(ours.parameters(), before, strict=True):
+        assert torch.equal(p.grad, b), "modified"
+    got = gradfuse.clip_grad_norm_(ours.parameters(), MAX_NORM)
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), MAX_NORM)
+    _assert_norm(got, want, "read")
+    _assert_clipped_grads(ours, theirs, "read")

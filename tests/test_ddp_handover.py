@@ -23,6 +23,7 @@ SCENARIOS = [
     "handover_is_right_when_fresh_and_raises_when_visibly_stale",
     "trainer_step_reads_no_gradient_after_backward",
     "an_empty_parameter_is_no_stale_handover",
+    "a_parameter_ddp_ignores_is_outside_the_handover",
 ]
 
 
