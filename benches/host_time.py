@@ -3,10 +3,13 @@ version of gradfuse: the drop-in clip, `GradBuckets.clip_grad_norm_` and
 `GradScaler.unscale_and_clip_` on the same list again (16-element fp32 gradients, an inactive clip,
 one thread) at 1, 148, 2000 and 10,000 tensors; and ``moved``, the drop-in clip where each call's
 gradients are other tensors at other addresses (set, untimed, from more gradient sets than any
-version keeps plans for one list shape: a loop that sets gradients to None between steps).
+version keeps plans for one list shape: a loop that sets gradients to None between steps); and
+``ddp``, the drop-in clip handed the DDP hook's norm (``measured=state``) after each backward (untimed)
+of a one-process gloo DDP over the gradients: the check that they are what that backward left,
+then the scale pass over DDP's buckets.
 
 Usage: PYTHONPATH=<a checkout>/python taskset -c 1 python benches/host_time.py [--standin] [API ...]
-(APIs: clip, buckets, scaler, moved; all four by default.)
+(APIs: clip, buckets, scaler, moved, ddp; all five by default.)
 
 ``--standin``: through the Triton backend with the host bench's stand-in launcher (no GPU: each
 launch stops at the compiled kernel's launcher; ``gradfuse.bench.host``), the CUDA path's host work.
@@ -73,6 +76,8 @@ def main(apis: list[str]) -> None:
 
             next_set()
             row["moved"] = median_us(lambda ps=ps: gradfuse.clip_grad_norm_(ps, MAX_NORM), reps, next_set)
+        if "ddp" in apis:
+            row["ddp"] = ddp_handover_us(n, reps)
         if "scaler" in apis:
             ps = params(n)
             opt = torch.optim.SGD(ps, lr=0.0)
@@ -81,6 +86,38 @@ def main(apis: list[str]) -> None:
             scaler.scale(torch.ones(()))
             row["scaler"] = median_us(lambda s=scaler, o=opt: s.unscale_and_clip_(o, MAX_NORM), reps, scaler.update)
         print(n, {k: round(v, 1) for k, v in row.items()}, flush=True)
+
+
+class _Many(torch.nn.Module):
+    """``n`` parameters of 16 elements, each used in forward."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(16) * 1e-2) for _ in range(n))
+
+    def forward(self, x):
+        return torch.stack([p.sum() for p in self.ps]).sum() * x
+
+
+def ddp_handover_us(n: int, reps: int) -> float:
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not dist.is_initialized():
+        rendezvous = tempfile.NamedTemporaryFile(delete=False).name  # a fresh file: one process
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
+    ddp = DistributedDataParallel(_Many(n), gradient_as_bucket_view=True)
+    state = gradfuse.register_ddp_hook(ddp)
+    ps = list(ddp.module.parameters())
+    x = torch.ones(())
+
+    def backward():
+        ddp(x).backward()
+
+    backward()
+    return median_us(lambda: gradfuse.clip_grad_norm_(ps, MAX_NORM, measured=state), reps, backward)
 
 
 def standin() -> None:
@@ -98,4 +135,4 @@ if __name__ == "__main__":
     if "--standin" in args:
         args.remove("--standin")
         standin()
-    main(args or ["clip", "buckets", "scaler", "moved"])
+    main(args or ["clip", "buckets", "scaler", "moved", "ddp"])

@@ -583,15 +583,20 @@ def a_parameter_ddp_ignores_is_outside_the_handover(rank, world):
         DDP._set_params_and_buffers_to_ignore_for_model(model, ["head.bias"])
         return model
 
-    ours, state, theirs = pair(ignoring)
-    _backward(ours, theirs, rank, 1)
-    assert ours.module.head.bias.grad is not None  # computed, not reduced
-    before = [p.grad.clone() for p in ours.parameters()]
-    with _raises(RuntimeError, "gradients were given"):
-        gradfuse.clip_grad_norm_(ours.parameters(), MAX_NORM, measured=state)
-    for p, b in zip(ours.parameters(), before, strict=True):
-        assert torch.equal(p.grad, b), "modified"
-    got = gradfuse.clip_grad_norm_(ours.parameters(), MAX_NORM)
-    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), MAX_NORM)
-    _assert_norm(got, want, "read")
-    _assert_clipped_grads(ours, theirs, "read")
+    for cap in (None, 25):  # small buckets (the scenarios' default), and all in one bucket
+        ours, state, theirs = pair(ignoring, **({} if cap is None else {"bucket_cap_mb": cap}))
+        _backward(ours, theirs, rank, 1)  # DDP's first backward; it then rebuilds its buckets
+        zero(ours, theirs)
+        _backward(ours, theirs, rank, 2)
+        assert (state._n_buckets == 1) == (cap is not None), state._n_buckets
+        assert ours.module.head.bias.grad is not None  # computed, not reduced
+        before = [p.grad.clone() for p in ours.parameters()]
+        with _raises(RuntimeError, "gradients were given"):
+            gradfuse.clip_grad_norm_(ours.parameters(), MAX_NORM, measured=state)
+        for p, b in zip(ours.parameters(), before, strict=True):
+            assert torch.equal(p.grad, b), f"cap {cap}: modified"
+        got = gradfuse.clip_grad_norm_(ours.parameters(), MAX_NORM)
+        want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), MAX_NORM)
+        _assert_norm(got, want, f"cap {cap}: read")
+        _assert_clipped_grads(ours, theirs, f"cap {cap}: read")
+

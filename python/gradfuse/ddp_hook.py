@@ -250,11 +250,16 @@ class DDPHookState:
         if not grads:
             return False
         addrs = array("q", map(Tensor.data_ptr, grads))  # a bucket view's first element lies in its bucket
-        at = torch.frombuffer(addrs, dtype=torch.int64)
-        starts = torch.tensor([start for start, _ in spans], dtype=torch.int64)
-        ends = torch.tensor([end for _, end in spans], dtype=torch.int64)
-        bucket = torch.searchsorted(starts, at, right=True) - 1  # the last bucket starting at or below
-        outside = ((bucket < 0) | (at >= ends[bucket.clamp(min=0)])).nonzero().flatten().tolist()
+        if len(spans) == 1:  # one bucket (a small model's): its bounds against the extremes
+            ((start, end),) = spans
+            inside = start <= min(addrs) and max(addrs) < end
+            outside = [] if inside else [i for i, a in enumerate(addrs) if not start <= a < end]
+        else:
+            at = torch.frombuffer(addrs, dtype=torch.int64)
+            starts = torch.tensor([start for start, _ in spans], dtype=torch.int64)
+            ends = torch.tensor([end for _, end in spans], dtype=torch.int64)
+            bucket = torch.searchsorted(starts, at, right=True) - 1  # the last bucket starting at or below
+            outside = ((bucket < 0) | (at >= ends[bucket.clamp(min=0)])).nonzero().flatten().tolist()
         empty = False
         if outside:
             drop = {i for i in outside if grads[i].numel()}
