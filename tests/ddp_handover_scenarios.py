@@ -599,4 +599,3 @@ def a_parameter_ddp_ignores_is_outside_the_handover(rank, world):
         want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), MAX_NORM)
         _assert_norm(got, want, f"cap {cap}: read")
         _assert_clipped_grads(ours, theirs, f"cap {cap}: read")
-
