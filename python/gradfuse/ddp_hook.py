@@ -242,8 +242,8 @@ class DDPHookState:
         bucket: their address says nothing, and they change no norm of positive order nor the
         count of order 0); returns whether there was an empty one. Sparse gradients, and dense
         ones elsewhere, are left out. One Rust pass reads the gradients, C-level maps their
-        addresses, and tensor ops find each address's bucket (~0.15 us a parameter, where a
-        Python loop took ~1 us)."""
+        addresses, and the bucket's bounds (one bucket) or tensor ops (several) find the ones
+        outside (2000 parameters: ~1.1 ms per backward, where a Python loop took ~1.8)."""
         grads = P.grads_of(self._params)
         if grads is None or not all(map(operator.is_, map(_layout, grads), repeat(torch.strided))):
             return self._record_each(spans)  # gradients of a tensor subclass, sparse ones
