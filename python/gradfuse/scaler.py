@@ -53,7 +53,7 @@ import math
 import weakref
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain
+from itertools import chain, compress
 from operator import attrgetter, is_not, itemgetter
 
 import torch
@@ -139,6 +139,15 @@ def _optimizer_grads(optimizer: torch.optim.Optimizer, refuse_fp16: bool = False
     if refuse_fp16:
         _refuse_fp16(grads)
     return grads, False
+
+
+def _params_with_grads(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list[Tensor]]:
+    """The optimizer's parameters that have a gradient, and those gradients, in order (C-level
+    maps: no loop per parameter)."""
+    params = list(chain.from_iterable(map(_params, optimizer.param_groups)))
+    grads = list(map(_grad, params))
+    has = list(map(_not_none, grads))
+    return list(compress(params, has)), list(compress(grads, has))
 
 
 _params = itemgetter("params")
@@ -449,8 +458,7 @@ class GradScaler(torch.amp.GradScaler):
         A per-unit policy (AGC) unscales and clips in its own two passes."""
         norm_type = P.check_norm_type("GradScaler.unscale_and_clip_", norm_type)
         self._check_ready(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
+        params, grads = _params_with_grads(optimizer)
         if self._enabled:
             _refuse_fp16(grads)
         groups = _fused_groups(grads, one_device=False) if grads else None
@@ -593,7 +601,7 @@ class GradScaler(torch.amp.GradScaler):
         """Gradients gradfuse cannot run (sparse, DTensor, ...): torch's unscale_ and clip."""
         from .clip import clip_grad_norm_
 
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params = _params_with_grads(optimizer)[0]
         if self._enabled:
             self.unscale_(optimizer)
         if divisor is not None:  # no fused pass to fold it into here: one more
