@@ -78,6 +78,23 @@ def scaler_unscale_and_clip(n):
     return warm(step)
 
 
+def scaler_with_a_policy(n):
+    """``unscale_and_clip_`` with a clipping policy (ZClip) in place of ``max_norm``."""
+    from gradfuse.clipping import ZClip
+
+    ps = params(n)
+    opt = torch.optim.SGD(ps, lr=0.0)
+    scaler = gradfuse.GradScaler("cpu", init_scale=1.0, growth_interval=2**30)
+    scaler.scale(torch.ones(()))
+    policy = ZClip()
+
+    def step():
+        scaler.unscale_and_clip_(opt, policy)
+        scaler.update()
+
+    return warm(step, 5)
+
+
 def moved_clip(n):
     """The gradients made again at other addresses before the call (the plan moves)."""
     ps = params(n)
@@ -92,7 +109,7 @@ def agc(n):
     return warm(lambda: gradfuse.agc.adaptive_clip_grad_(ps, 0.01))
 
 
-PATHS = [drop_in_clip, bucket_clip, scaler_unscale_and_clip, moved_clip, agc]
+PATHS = [drop_in_clip, bucket_clip, scaler_unscale_and_clip, scaler_with_a_policy, moved_clip, agc]
 
 
 @pytest.fixture(autouse=True)
