@@ -6,6 +6,7 @@ are those a training step makes, each after warm-up (plans kept), on the Rust ba
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -32,12 +33,15 @@ def lines_run(call) -> int:
     def new_frame(frame, event, arg):
         return local if frame.f_code.co_filename.startswith(GRADFUSE_DIR) else None
 
+    gc.collect()  # no collection (and no finalizer of gradfuse's) inside the traced call
+    gc.disable()
     previous = sys.gettrace()
     sys.settrace(new_frame)
     try:
         call()
     finally:
         sys.settrace(previous)
+        gc.enable()
     return count
 
 
