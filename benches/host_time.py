@@ -17,6 +17,7 @@ launch stops at the compiled kernel's launcher; ``gradfuse.bench.host``), the CU
 Run it against two checkouts in turn, alternating, to compare them on one machine.
 """
 
+import os
 import statistics
 import sys
 import time
@@ -99,6 +100,9 @@ class _Many(torch.nn.Module):
         return torch.stack([p.sum() for p in self.ps]).sum() * x
 
 
+_RENDEZVOUS: list = []
+
+
 def ddp_handover_us(n: int, reps: int) -> float:
     import tempfile
 
@@ -106,7 +110,8 @@ def ddp_handover_us(n: int, reps: int) -> float:
     from torch.nn.parallel import DistributedDataParallel
 
     if not dist.is_initialized():
-        rendezvous = tempfile.NamedTemporaryFile(delete=False).name  # a fresh file: one process
+        _RENDEZVOUS.append(tempfile.TemporaryDirectory())  # removed at exit
+        rendezvous = os.path.join(_RENDEZVOUS[0].name, "rendezvous")  # a fresh file: one process
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
     ddp = DistributedDataParallel(_Many(n), gradient_as_bucket_view=True)
     state = gradfuse.register_ddp_hook(ddp)
@@ -121,8 +126,6 @@ def ddp_handover_us(n: int, reps: int) -> float:
 
 
 def standin() -> None:
-    import os
-
     from gradfuse.bench.host import _install_standin
 
     if not _install_standin():

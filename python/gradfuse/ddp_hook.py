@@ -355,15 +355,10 @@ class DDPHookState:
         """Why ``grads`` are visibly not what the sealed backward left, or None."""
         if len(grads) != len(self._grads):
             return f"{len(grads)} gradients were given, and the backward left {len(self._grads)}"
-        refs, addrs = self._in_order or ([], None)
+        refs, addrs = self._in_order or ([], None)  # as many as self._grads (made from it)
         # In parameter order (the usual list), one C-level pass and one Rust pass: the same
         # objects, at the same addresses; otherwise (another order, or a change) each is looked up.
-        if not (
-            addrs is not None
-            and len(refs) == len(grads)
-            and all(map(operator.is_, grads, map(_deref, refs)))
-            and P.addrs_are(grads, addrs)
-        ):
+        if not (addrs is not None and all(map(operator.is_, grads, map(_deref, refs))) and P.addrs_are(grads, addrs)):
             seen = set()
             for i, g in enumerate(grads):
                 entry = self._grads.get(id(g))
