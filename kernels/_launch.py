@@ -56,13 +56,16 @@ _Tensor = torch.Tensor
 class _Param:
     """What the launcher needs to know of one kernel parameter."""
 
-    __slots__ = ("annotation", "constexpr", "name", "specialize")
+    __slots__ = ("annotation", "constexpr", "int_spec", "name", "specialize")
 
     def __init__(self, kp):
         self.name = kp.name
         self.constexpr = kp.is_constexpr
         self.specialize = not kp.do_not_specialize
         self.annotation = kp.annotation_type or ""
+        #: The spec of any integer here when it does not depend on the value (an annotated,
+        #: unspecialized parameter: see :func:`_arg_spec`); else None.
+        self.int_spec = (self.annotation, False, False) if self.annotation and not self.specialize else None
 
 
 class Ptr:
@@ -255,25 +258,23 @@ class Prepared:
     specialization the check refused, go through :meth:`Launcher.__call__`)."""
 
     __slots__ = (
-        "args", "device", "generation", "grid", "kernels", "launcher", "meta", "packed", "slot_index",
-        "slot_params", "slot_plain", "slot_pos",
+        "args", "device", "generation", "grid", "kernels", "launcher", "meta", "packed", "slot_bind", "slot_index",
     )  # fmt: skip
 
     def __init__(self, launcher: Launcher, grid: int, args: tuple, meta: dict, device: int):
         if not all(a is SLOT or type(a) in _FIXED_TYPES for a in args):
             raise TypeError(f"{launcher.fn.__name__}: a prepared launch's fixed arguments are Ptr or numbers")
         self.launcher, self.grid, self.args, self.meta, self.device = launcher, grid, tuple(args), meta, device
-        #: Per slot: its index among the runtime arguments, its parameter, whether an integer
-        #: there is a plain i32, and its position in the packed arguments.
+        #: Per slot: its index among the runtime arguments.
         self.slot_index = [i for i, a in enumerate(args) if a is SLOT]
-        if INTERPRET:  # every launch through the JIT: nothing is bound
-            self.slot_params, self.slot_plain, self.slot_pos = [None] * len(self.slot_index), [], self.slot_index
-        else:
+        #: Per slot: ``(its parameter, whether an integer there is a plain i32, its position in the
+        #: packed arguments)``.
+        self.slot_bind = []
+        if not INTERPRET:  # under the interpreter every launch goes through the JIT: nothing is bound
             if len(args) != len(launcher.runtime):
                 raise TypeError(f"{launcher.fn.__name__}: {len(args)} arguments for {len(launcher.runtime)} parameters")
-            self.slot_params = [launcher.runtime[i] for i in self.slot_index]
-            self.slot_plain = [launcher.plain_ints[i] for i in self.slot_index]
-            self.slot_pos = [launcher.packed_pos[i] for i in self.slot_index]
+            runtime, plain, pos = launcher.runtime, launcher.plain_ints, launcher.packed_pos
+            self.slot_bind = [(runtime[i], plain[i], pos[i]) for i in self.slot_index]
         #: The packed arguments of the first launch (the fixed ones bound; each call puts its own
         #: in the slots), from its full binding: None until then.
         self.packed = None
@@ -285,8 +286,8 @@ class Prepared:
     def __call__(self, *values):
         """Launches with ``values`` in the slots, in order; returns what :meth:`Launcher.__call__`
         returns."""
-        if len(values) != len(self.slot_pos):
-            raise TypeError(f"{self.launcher.fn.__name__}: {len(values)} values for {len(self.slot_pos)} slots")
+        if len(values) != len(self.slot_index):
+            raise TypeError(f"{self.launcher.fn.__name__}: {len(values)} values for {len(self.slot_index)} slots")
         launcher = self.launcher
         if INTERPRET:
             return launcher(self.grid, self._args(values), self.meta, self.device)
@@ -309,11 +310,13 @@ class Prepared:
         aligned (which say its Triton pointer type and divisibility), per other value its spec
         (:func:`_bind_arg`)."""
         key = []
-        for p, plain, pos, a in zip(self.slot_params, self.slot_plain, self.slot_pos, values, strict=True):
+        for (p, plain, pos), a in zip(self.slot_bind, values, strict=True):
             if isinstance(a, _Tensor):  # the usual slot: a tensor made for the call
                 addr = packed[pos] = a.data_ptr()
-                key.append(a.dtype)
-                key.append(addr % DIVISIBILITY == 0)
+                key += (a.dtype, addr % DIVISIBILITY == 0)
+            elif type(a) is int and p.int_spec is not None:  # a number's bits, say
+                packed[pos] = a
+                key.append(p.int_spec)
             else:
                 spec, packed[pos] = _bind_arg(p, plain, a)
                 key.append(spec)
@@ -390,25 +393,22 @@ _MISSING = object()
 
 def _hooks_unset() -> bool:
     """Whether no launch hook is set: None, or (Triton 3.6-3.9) an empty ``HookChain``."""
-    runtime = _KNOBS[0] if _KNOBS else _runtime_knobs()
+    runtime, chain = _KNOBS if _KNOBS else _runtime_knobs()
     enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
-    if enter is None and exit_ is None:
-        return True
-    return _unset(enter) and _unset(exit_)
+    return (enter is None or (type(enter) is chain and not enter.calls)) and (
+        exit_ is None or (type(exit_) is chain and not exit_.calls)
+    )
 
 
-def _runtime_knobs():
+def _runtime_knobs() -> tuple:
+    """``(triton.knobs.runtime, the type of an empty chain of hooks or None)``, kept in ``_KNOBS``."""
     from triton import knobs
 
-    _KNOBS.append(knobs.runtime)
-    return knobs.runtime
+    _KNOBS[:] = [knobs.runtime, getattr(knobs, "HookChain", None)]
+    return tuple(_KNOBS)
 
 
 _KNOBS: list = []
-
-
-def _unset(hook) -> bool:
-    return hook is None or (type(hook).__name__ == "HookChain" and not getattr(hook, "calls", True))
 
 
 def launch(compiled, grid: int, packed: list, device: int) -> None:

@@ -275,27 +275,23 @@ def multi_tensor_norm(
     if found_mode != FOUND_NONE and (inv_scale is None or found_inf is None):
         raise ValueError("gradfuse.kernels: the unscaling norm needs inv_scale and found_inf")
     write_per = per is not None
+    found = found_mode != FOUND_NONE
     p_bits = ct.f64_bits(norm_type)
 
     def make(g: ct.Group):
-        args = (
-            table.addr_args[0], *table.args, *table.scratch_args(), ct.SLOT, ct.SLOT, ct.SLOT, ct.SLOT, g.base,
-            table.n_tensors, table.n_chunks, p_bits,
-        )  # fmt: skip
+        scratch = table.scratch_args()
+        # An output the flags leave unused gets a scratch buffer, never touched, in place of a
+        # slot: one address fewer to bind at every call.
+        unused = scratch[0]
+        outs = (ct.SLOT, ct.SLOT if write_per else unused, *((ct.SLOT, ct.SLOT) if found else (unused, unused)))
+        args = (table.addr_args[0], *table.args, *scratch, *outs, g.base, table.n_tensors, table.n_chunks, p_bits)
         meta = dict(
             CODE=g.codes[0], KIND=kind, PER_TENSOR=write_per or kind == ZERO, WRITE_PER=write_per, FOUND=found_mode,
             LIBDEVICE=not INTERPRET, FBLOCK=ct.FBLOCK,
         )  # fmt: skip
         return args, True, meta  # acc + u * u may become one FMA (more accurate, never less)
 
-    dummy = total
-    ct.run(
-        table,
-        _norm_kernel,
-        (p_bits, write_per, found_mode),
-        make,
-        total,
-        per if write_per else dummy,
-        inv_scale if inv_scale is not None else dummy,
-        found_inf if found_inf is not None else dummy,
-    )
+    values = (total, per) if write_per else (total,)
+    if found:
+        values += (inv_scale, found_inf)
+    ct.run(table, _norm_kernel, (p_bits, write_per, found_mode), make, *values)

@@ -106,10 +106,17 @@ def multi_tensor_scale_(
     clips = mode != SCALE
     eps_bits = ct.f64_bits(1e-6) if clips else 0
 
+    unscales = mode == UNSCALE_CLIP
+
     def make(g: ct.Group):
-        args = (table.addr_args[0], *table.args[:3], ct.SLOT, ct.SLOT, g.base, ct.SLOT, eps_bits)
+        # Without UNSCALE_CLIP the kernel leaves inv_scale_ptr alone: the address table stands in
+        # for it (one address fewer to bind at every call).
+        unscale = ct.SLOT if unscales else table.addr_args[0]
+        args = (table.addr_args[0], *table.args[:3], ct.SLOT, unscale, g.base, ct.SLOT, eps_bits)
         return args, False, {"CODE": g.codes[0], "MODE": mode, "FACTOR_CODE": code}
 
     max_norm_bits = ct.f64_bits(float(max_norm)) if clips else 0
-    unscale = inv_scale if inv_scale is not None else factor
-    ct.run(table, _scale_kernel, (mode, code), make, factor, unscale, max_norm_bits)
+    if unscales:
+        ct.run(table, _scale_kernel, (mode, code), make, factor, inv_scale, max_norm_bits)
+    else:
+        ct.run(table, _scale_kernel, (mode, code), make, factor, max_norm_bits)

@@ -128,6 +128,18 @@ class _NoSwitch:
 
 _NO_SWITCH = _NoSwitch()
 
+#: A 0-d tensor per (dtype, device), whose ``empty_like`` makes each call's new 0-d results:
+#: ~0.5 us less than ``torch.empty((), dtype=..., device=...)``, which parses both arguments.
+_SCALARS: dict = {}
+
+
+def _new_scalar(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new uninitialized 0-d tensor of ``dtype`` on ``device``, for a kernel to write."""
+    like = _SCALARS.get((dtype, device))
+    if like is None:
+        like = _SCALARS[(dtype, device)] = torch.empty((), dtype=dtype, device=device)
+    return torch.empty_like(like)
+
 
 def _empty_norm(plan: Plan):
     out = plan.out_dtype
@@ -141,7 +153,7 @@ def norm(plan: Plan, norm_type: float, per_tensor: bool):
     if len(plan) == 0:
         return _empty_norm(plan)
     out = plan.out_dtype
-    total = torch.empty((), dtype=out, device=plan.device)
+    total = _new_scalar(out, plan.device)
     per = torch.empty(len(plan) if per_tensor else 0, dtype=out, device=plan.device)
     with _launch_on(plan):
         _norm.multi_tensor_norm(_table(plan), norm_type, total, per if per_tensor else None)
@@ -157,7 +169,7 @@ def stats(plan: Plan, norm_type: float):
     nonfinite = torch.empty(n, dtype=torch.int64, device=device)
     if n == 0:
         return torch.zeros((), dtype=out, device=device), norms, amax, nonfinite
-    total = torch.empty((), dtype=out, device=device)
+    total = _new_scalar(out, device)
     with _launch_on(plan):
         _stats.multi_tensor_stats(_table(plan), norm_type, total, norms, amax, nonfinite)
     return total, norms, amax, nonfinite
@@ -168,7 +180,7 @@ def unit_norms(plan: Plan, units: list[int], norm_type: float) -> torch.Tensor:
     the units as tensors of their own."""
     out = torch.empty(sum(units), dtype=plan.out_dtype, device=plan.device)
     if out.numel():
-        total = torch.empty((), dtype=plan.out_dtype, device=plan.device)
+        total = _new_scalar(plan.out_dtype, plan.device)
         with _launch_on(plan):
             _norm.multi_tensor_norm(_unit_table(plan, units), norm_type, total, out)
     return out
@@ -215,7 +227,7 @@ def clip_grad_norm_(plan: Plan, max_norm: float, norm_type: float, error_if_nonf
     if len(plan) == 0:
         return _empty_norm(plan)[0]
     table = _table(plan)
-    total = torch.empty((), dtype=plan.out_dtype, device=plan.device)
+    total = _new_scalar(plan.out_dtype, plan.device)
     with _launch_on(plan):
         _norm.multi_tensor_norm(table, norm_type, total)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -240,8 +252,8 @@ def inverse_scale(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(inv_scale, found_inf)`` for an unscale by ``scale`` (a one-element float32 tensor): the
     reciprocal as torch's ``unscale_`` takes it (in float64, rounded to float32) and a zeroed flag,
     new 0-d float32 tensors on ``scale``'s device, in one launch."""
-    inv_scale = torch.empty((), dtype=torch.float32, device=scale.device)
-    found_inf = torch.empty((), dtype=torch.float32, device=scale.device)
+    inv_scale = _new_scalar(torch.float32, scale.device)
+    found_inf = _new_scalar(torch.float32, scale.device)
     if scale.is_cuda and torch._C._cuda_getDevice() != scale.device.index:
         with torch.cuda.device(scale.device):
             _unscale.inverse_scale(scale, inv_scale, found_inf)
@@ -253,11 +265,11 @@ def inverse_scale(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def unscale_check_norm(plan: Plan, inv_scale: torch.Tensor, norm_type: float):
     """One read-only pass: ``(norm of x * inv_scale, found_inf)``, ``found_inf`` a new 0-d
     float32 tensor (1.0 if any ``x`` was inf or NaN)."""
-    found = torch.empty((), dtype=torch.float32, device=inv_scale.device)
+    found = _new_scalar(torch.float32, inv_scale.device)
     if len(plan) == 0:
         return _empty_norm(plan)[0], found.zero_()
     table = _table(plan)
-    total = torch.empty((), dtype=plan.out_dtype, device=plan.device)
+    total = _new_scalar(plan.out_dtype, plan.device)
     with _launch_on(plan):
         _norm.multi_tensor_norm(table, norm_type, total, None, inv_scale, found, _norm.FOUND_WRITE)
     return total, found
@@ -269,7 +281,7 @@ def _measure_then_scale(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Te
     if len(plan) == 0:
         return _empty_norm(plan)[0]
     table = _table(plan)
-    total = torch.empty((), dtype=plan.out_dtype, device=plan.device)
+    total = _new_scalar(plan.out_dtype, plan.device)
     plan.before_write(found_inf)
     with _launch_on(plan):
         _norm.multi_tensor_norm(table, norm_type, total, None, inv_scale, found_inf, _norm.FOUND_SET)
