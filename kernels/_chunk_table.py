@@ -21,8 +21,9 @@ caller's (the package's plans); nothing here holds a tensor of the caller's.
 
 :func:`run` launches a chunk kernel over every group of a table, with the meta-parameters every
 chunk kernel takes, through launches prepared once per table (``_launch.Prepared``: the table's
-buffers bound once, each call binding its own few arguments); :func:`run_once` makes a table's
-one-off launch (a finishing kernel) the same way.
+buffers bound once, each call binding its own few arguments; :func:`launches` gives them, for a
+caller that keeps them); :func:`run_once` makes a table's one-off launch (a finishing kernel) the
+same way.
 """
 
 from __future__ import annotations
@@ -292,12 +293,13 @@ def _meta(group: Group, fp_fusion: bool, meta: dict) -> dict:
 _PREPARED_PER_TABLE = 32
 
 
-def run(table: ChunkTable, kernel, config: tuple, make, *values) -> None:
-    """Launches ``kernel`` over every group of ``table``, with ``values`` in the slots: the
-    launches are prepared (:class:`_launch.Prepared`) once per table, ``config`` (what the
-    arguments and meta-parameters depend on besides the table and the group: hashable, exact)
-    and tuning, by ``make(group) -> (args, fp_fusion, meta)``, where ``args`` holds ``SLOT`` where
-    each call's values go and otherwise the table's buffers (``Ptr``) and numbers."""
+def launches(table: ChunkTable, kernel, config: tuple, make) -> list[Prepared]:
+    """The launches of ``kernel`` over every group of ``table``, in order, prepared
+    (:class:`_launch.Prepared`) once per table, ``config`` (what the arguments and meta-parameters
+    depend on besides the table and the group: hashable, exact) and :func:`tuning`, by
+    ``make(group) -> (args, fp_fusion, meta)``, where ``args`` holds ``SLOT`` where each call's
+    values go and otherwise the table's buffers (``Ptr``) and numbers. Valid as long as the table
+    and the tuning are (a caller that keeps them checks both)."""
 
     def prepare():
         runs = []
@@ -306,7 +308,13 @@ def run(table: ChunkTable, kernel, config: tuple, make, *values) -> None:
             runs.append(Prepared(launcher(kernel), g.count, args, _meta(g, fp_fusion, meta), g.device))
         return runs
 
-    for prepared in _prepared(table, kernel, config, prepare):
+    return _prepared(table, kernel, config, prepare)
+
+
+def run(table: ChunkTable, kernel, config: tuple, make, *values) -> None:
+    """Launches ``kernel`` over every group of ``table`` (:func:`launches`), with ``values`` in
+    the slots."""
+    for prepared in launches(table, kernel, config, make):
         prepared(*values)
 
 
@@ -322,10 +330,16 @@ def run_once(table: ChunkTable, kernel, grid: int, config: tuple, make, *values)
     _prepared(table, kernel, (grid, config), prepare)[0](*values)
 
 
+def tuning() -> tuple:
+    """What every chunk kernel's launches depend on besides their table and arguments (tests
+    change it): ``(CHUNK, BLOCK, FBLOCK, VEC, NUM_WARPS)``."""
+    return (CHUNK, BLOCK, FBLOCK, VEC, NUM_WARPS)
+
+
 def _prepared(table: ChunkTable, kernel, config: tuple, prepare) -> list[Prepared]:
     """The table's prepared launches of ``kernel`` for ``config`` and the current tuning, made by
     ``prepare()`` the first time."""
-    key = (id(kernel), config, CHUNK, BLOCK, FBLOCK, VEC, NUM_WARPS)  # the kernels live as long as the module
+    key = (id(kernel), config, *tuning())  # the kernels live as long as the module
     runs = table._prepared.get(key)
     if runs is None:
         if len(table._prepared) >= _PREPARED_PER_TABLE:

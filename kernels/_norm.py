@@ -267,14 +267,25 @@ def multi_tensor_norm(
 
     One launch per table group; the last program of the last launch finalizes.
     """
-    kind = norm_kind(norm_type)
     if total.dtype not in (torch.float32, torch.float64) or total.numel() != 1:
         raise TypeError(f"gradfuse.kernels: the total must be a float32/float64 scalar, got {total.dtype}")
     if per is not None and per.numel() != table.n_tensors:
         raise ValueError(f"gradfuse.kernels: per-tensor output has {per.numel()} elements for {table.n_tensors}")
     if found_mode != FOUND_NONE and (inv_scale is None or found_inf is None):
         raise ValueError("gradfuse.kernels: the unscaling norm needs inv_scale and found_inf")
-    write_per = per is not None
+    values = (total,) if per is None else (total, per)
+    if found_mode != FOUND_NONE:
+        values += (inv_scale, found_inf)
+    for launch in norm_launches(table, norm_type, per is not None, found_mode):
+        launch(*values)
+
+
+def norm_launches(table: ct.ChunkTable, norm_type: float, write_per: bool = False, found_mode: int = FOUND_NONE):
+    """The launches of :func:`multi_tensor_norm` on ``table`` (one per group, in order; see
+    ``_chunk_table.launches``), each taking ``(total, per, inv_scale, found_inf)`` as that function
+    takes them, ``per`` only when ``write_per``, ``inv_scale`` and ``found_inf`` only with a
+    ``found_mode`` other than FOUND_NONE: for a caller that keeps them (and checks them itself)."""
+    kind = norm_kind(norm_type)
     found = found_mode != FOUND_NONE
     p_bits = ct.f64_bits(norm_type)
 
@@ -291,7 +302,4 @@ def multi_tensor_norm(
         )  # fmt: skip
         return args, True, meta  # acc + u * u may become one FMA (more accurate, never less)
 
-    values = (total, per) if write_per else (total,)
-    if found:
-        values += (inv_scale, found_inf)
-    ct.run(table, _norm_kernel, (p_bits, write_per, found_mode), make, *values)
+    return ct.launches(table, _norm_kernel, (p_bits, write_per, found_mode), make)

@@ -103,9 +103,19 @@ def multi_tensor_scale_(
     ``factor`` (as the table's codes). One launch per table group."""
     if mode == UNSCALE_CLIP and inv_scale is None:
         raise ValueError("gradfuse.kernels: UNSCALE_CLIP needs inv_scale")
-    clips = mode != SCALE
-    eps_bits = ct.f64_bits(1e-6) if clips else 0
+    max_norm_bits = ct.f64_bits(float(max_norm)) if mode != SCALE else 0
+    values = (factor, inv_scale, max_norm_bits) if mode == UNSCALE_CLIP else (factor, max_norm_bits)
+    for launch in scale_launches(table, mode, code):
+        launch(*values)
 
+
+def scale_launches(table: ct.ChunkTable, mode: int, code: int):
+    """The launches of :func:`multi_tensor_scale_` on ``table`` in ``mode`` for a factor of dtype
+    code ``code`` (one per group, in order; see ``_chunk_table.launches``), each taking
+    ``(factor, inv_scale, max_norm_bits)``, ``inv_scale`` only in UNSCALE_CLIP mode,
+    ``max_norm_bits`` the float64 bits of ``max_norm`` (``_chunk_table.f64_bits``; 0 in SCALE
+    mode): for a caller that keeps them (and checks them itself)."""
+    eps_bits = ct.f64_bits(1e-6) if mode != SCALE else 0
     unscales = mode == UNSCALE_CLIP
 
     def make(g: ct.Group):
@@ -115,8 +125,4 @@ def multi_tensor_scale_(
         args = (table.addr_args[0], *table.args[:3], ct.SLOT, unscale, g.base, ct.SLOT, eps_bits)
         return args, False, {"CODE": g.codes[0], "MODE": mode, "FACTOR_CODE": code}
 
-    max_norm_bits = ct.f64_bits(float(max_norm)) if clips else 0
-    if unscales:
-        ct.run(table, _scale_kernel, (mode, code), make, factor, inv_scale, max_norm_bits)
-    else:
-        ct.run(table, _scale_kernel, (mode, code), make, factor, max_norm_bits)
+    return ct.launches(table, _scale_kernel, (mode, code), make)

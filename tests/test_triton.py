@@ -684,6 +684,39 @@ def test_a_prepared_launch_holding_a_buffer_not_the_new_tables_is_not_moved():
     assert moved.kernels is prepared.kernels  # the same keys: the specializations are shared
 
 
+def test_kept_launch_sets_follow_the_table_and_the_tuning(monkeypatch):
+    """The clip keeps its launches (the norm's, the scale's) with its plan; a change of the
+    kernels' tuning (a block size, say: the table stays) or of the plan's table makes them again,
+    and each call still gives the right answer."""
+    gen = torch.Generator().manual_seed(3)
+    grads = [rand(n, torch.float32, 3.0, gen) for n in (5, CHUNK + 3, 40)]
+
+    def clip_and_check():
+        want = [g.double() for g in grads]
+        total = gradfuse.clip_grad_norm_(params_of(grads), 1e-2)
+        exact, _ = ref_norms(want, 2.0)
+        assert close(total.item(), exact, 2e-6)
+        coef = 1e-2 / (exact + 1e-6)
+        assert all(torch.allclose(g.double(), w * coef, rtol=2e-6, atol=0) for g, w in zip(grads, want, strict=True))
+        plan = make_plan("t", "grads", grads, inplace=True)
+        table, tuning, (norm, scale) = plan.memo[("clip", 2.0)]
+        assert table is _triton._table(plan) and tuning == ct.tuning()
+        return table, norm + scale
+
+    table, launches = clip_and_check()
+    assert all(p.meta["BLOCK"] == BLOCK for p in launches)
+    assert clip_and_check()[1] == launches  # kept
+    monkeypatch.setattr(ct, "BLOCK", 2 * BLOCK)
+    again, launches = clip_and_check()
+    assert again is table and all(p.meta["BLOCK"] == 2 * BLOCK for p in launches)
+    del make_plan("t", "grads", grads, inplace=True).memo["table"]  # the plan's next table is a new one
+    renewed, launches = clip_and_check()
+    assert renewed is not table and all(renewed.addr_args[0] in p.args for p in launches)
+    monkeypatch.setattr(ct, "CHUNK", 2 * CHUNK)  # a table of other chunks
+    other, launches = clip_and_check()
+    assert other is not table and all(p.meta["CHUNK"] == 2 * CHUNK for p in launches)
+
+
 def test_prepared_launches_kept_per_table_are_bounded():
     """A configuration that changes at every call (a norm order per call) prepares a launch set
     each time; a table keeps a bounded number of them, and each call still gives its own norm."""

@@ -222,19 +222,41 @@ def clip_grads_with_norm_(plan: Plan, max_norm: float, total_norm: torch.Tensor)
             _scale.multi_tensor_scale_(table, _scale.CLIP, total_norm, _code(total_norm), max_norm)
 
 
+def _launch_sets(plan: Plan, table: ChunkTable, key, make) -> tuple:
+    """``make()``: launch lists of the kernel modules for ``table`` (``_norm.norm_launches``, ...),
+    kept with the plan under ``key`` while its table and the kernels' tuning stay the same. A call
+    then launches them as they are, without the kernel functions' per-call work: what those
+    check, this module's own calls get right (its plans' tables, outputs it makes)."""
+    kept = plan.memo.get(key)
+    tuning = ct.tuning()
+    if kept is None or kept[0] is not table or kept[1] != tuning:
+        kept = plan.memo[key] = (table, tuning, make())
+    return kept[2]
+
+
 def clip_grad_norm_(plan: Plan, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
     """Total norm, then clipping by it: two launches (norm with fused finalize, then scale)."""
     if len(plan) == 0:
         return _empty_norm(plan)[0]
     table = _table(plan)
-    total = _new_scalar(plan.out_dtype, plan.device)
+    out = plan.out_dtype
+    norm, scale = _launch_sets(
+        plan,
+        table,
+        ("clip", norm_type),
+        lambda: (_norm.norm_launches(table, norm_type), _scale.scale_launches(table, _scale.CLIP, DTYPE_CODES[out])),
+    )
+    total = _new_scalar(out, plan.device)
     with _launch_on(plan):
-        _norm.multi_tensor_norm(table, norm_type, total)
+        for launch in norm:
+            launch(total)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             # The one host sync of this backend, asked for by the caller; nothing was modified yet.
             raise nonfinite_total_error(norm_type)
         plan.before_write()
-        _scale.multi_tensor_scale_(table, _scale.CLIP, total, DTYPE_CODES[total.dtype], max_norm)
+        max_norm_bits = ct.f64_bits(max_norm)
+        for launch in scale:
+            launch(total, max_norm_bits)
     return total
 
 
@@ -275,32 +297,46 @@ def unscale_check_norm(plan: Plan, inv_scale: torch.Tensor, norm_type: float):
     return total, found
 
 
-def _measure_then_scale(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, norm_type: float, scale):
-    """The read-only unscale+check+norm pass, then ``scale(table, total)``, the write pass;
-    returns the norm of the unscaled tensors."""
+def _measure_then_scale(
+    plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, norm_type: float, mode: int, max_norm: float = 0.0
+):
+    """The read-only unscale+check+norm pass, then the write pass in ``mode``: UNSCALE_CLIP (by
+    ``inv_scale * clip_coef(total)``) or SCALE (by ``inv_scale``); returns the norm of the
+    unscaled tensors."""
     if len(plan) == 0:
         return _empty_norm(plan)[0]
     table = _table(plan)
-    total = _new_scalar(plan.out_dtype, plan.device)
+    out = plan.out_dtype
+    # The scale's factor: the total (its clip coefficient), or inv_scale itself.
+    code = DTYPE_CODES[out] if mode == _scale.UNSCALE_CLIP else DTYPE_CODES[inv_scale.dtype]
+    norm, scale = _launch_sets(
+        plan,
+        table,
+        ("measure, scale", norm_type, mode, code),
+        lambda: (
+            _norm.norm_launches(table, norm_type, False, _norm.FOUND_SET),
+            _scale.scale_launches(table, mode, code),
+        ),
+    )
+    total = _new_scalar(out, plan.device)
     plan.before_write(found_inf)
     with _launch_on(plan):
-        _norm.multi_tensor_norm(table, norm_type, total, None, inv_scale, found_inf, _norm.FOUND_SET)
-        scale(table, total)
+        for launch in norm:
+            launch(total, inv_scale, found_inf)
+        if mode == _scale.UNSCALE_CLIP:
+            max_norm_bits = ct.f64_bits(max_norm)
+            for launch in scale:
+                launch(total, inv_scale, max_norm_bits)
+        else:
+            for launch in scale:
+                launch(inv_scale, 0)
     return total
 
 
 def unscale_and_clip_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, max_norm: float, norm_type: float):
     """Read-only unscale+check+norm pass, then one write pass by ``inv_scale * clip_coef(norm)``
     (skipped when that product is exactly 1); returns the norm of the unscaled tensors."""
-    return _measure_then_scale(
-        plan,
-        inv_scale,
-        found_inf,
-        norm_type,
-        lambda table, total: _scale.multi_tensor_scale_(
-            table, _scale.UNSCALE_CLIP, total, DTYPE_CODES[total.dtype], max_norm, inv_scale
-        ),
-    )
+    return _measure_then_scale(plan, inv_scale, found_inf, norm_type, _scale.UNSCALE_CLIP, max_norm)
 
 
 def unscale_norm_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, norm_type: float):
@@ -308,13 +344,7 @@ def unscale_norm_(plan: Plan, inv_scale: torch.Tensor, found_inf: torch.Tensor, 
     to 1.0 if any ``x`` was inf or NaN. Two launches (a read-only norm pass, then the write):
     the DDP hook takes this path only for gloo on CUDA; with NCCL the all-reduce averages and
     the hook's pass is read-only."""
-    return _measure_then_scale(
-        plan,
-        inv_scale,
-        found_inf,
-        norm_type,
-        lambda table, total: _scale.multi_tensor_scale_(table, _scale.SCALE, inv_scale, DTYPE_CODES[inv_scale.dtype]),
-    )
+    return _measure_then_scale(plan, inv_scale, found_inf, norm_type, _scale.SCALE)
 
 
 def accumulate_(dst: Plan, src: Plan, alpha: float) -> None:
