@@ -4,7 +4,9 @@ under ``TRITON_INTERPRET=1``, CPU tensors).
 Same functions, arguments, results and side effects as the CPU backend (``gradfuse._cpu``): each
 takes validated plans (``gradfuse._plan``) and runs the kernels (``gradfuse.kernels``) from the
 plan's chunk table, which the plan keeps (``memo``): built at the first call on a list, moved
-(its addresses uploaded alone) when the same kind of tensors come at other addresses. One launch
+(its addresses uploaded alone) when the same kind of tensors come at other addresses. The plan
+keeps each operation's launches on that table too (``_launch_sets``), so that a call binds its
+own few arguments and launches. One launch
 per dtype group covers every tensor, whatever their number. Nothing here waits for the device or
 reads a device value on the host, except ``clip_grad_norm_(error_if_nonfinite=True)``, whose error
 needs the total on the host; every call can be captured in a CUDA graph after one warm-up call,
@@ -141,6 +143,18 @@ def _new_scalar(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty_like(like)
 
 
+def _launch_sets(plan: Plan, table: ChunkTable, key, make) -> tuple:
+    """``make()``: launch lists of the kernel modules for ``table`` (``_norm.norm_launches``, ...),
+    kept with the plan under ``key`` while its table and the kernels' tuning stay the same. A call
+    then launches them as they are, without the kernel functions' per-call work: what those
+    check, this module's own calls get right (its plans' tables, outputs it makes)."""
+    kept = plan.memo.get(key)
+    tuning = ct.tuning()
+    if kept is None or kept[0] is not table or kept[1] != tuning:
+        kept = plan.memo[key] = (table, tuning, make())
+    return kept[2]
+
+
 def _empty_norm(plan: Plan):
     out = plan.out_dtype
     total = torch.zeros((), dtype=out, device=plan.device)
@@ -153,10 +167,16 @@ def norm(plan: Plan, norm_type: float, per_tensor: bool):
     if len(plan) == 0:
         return _empty_norm(plan)
     out = plan.out_dtype
+    table = _table(plan)
+    launches = _launch_sets(
+        plan, table, ("norm", norm_type, per_tensor), lambda: _norm.norm_launches(table, norm_type, per_tensor)
+    )
     total = _new_scalar(out, plan.device)
     per = torch.empty(len(plan) if per_tensor else 0, dtype=out, device=plan.device)
+    values = (total, per) if per_tensor else (total,)
     with _launch_on(plan):
-        _norm.multi_tensor_norm(_table(plan), norm_type, total, per if per_tensor else None)
+        for launch in launches:
+            launch(*values)
     return total, per
 
 
@@ -200,9 +220,12 @@ def scale_(plan: Plan, scale: torch.Tensor) -> None:
     scale of exactly 1 touches nothing)."""
     if len(plan):
         table = _table(plan)
+        code = _code(scale)
+        launches = _launch_sets(plan, table, ("scale", code), lambda: _scale.scale_launches(table, _scale.SCALE, code))
         plan.before_write()
         with _launch_on(plan):
-            _scale.multi_tensor_scale_(table, _scale.SCALE, scale, _code(scale))
+            for launch in launches:
+                launch(scale, 0)
 
 
 def _code(t: torch.Tensor) -> int:
@@ -217,21 +240,13 @@ def clip_grads_with_norm_(plan: Plan, max_norm: float, total_norm: torch.Tensor)
     device in ``total_norm``'s dtype (torch's arithmetic); a coefficient of 1 touches nothing."""
     if len(plan):
         table = _table(plan)
+        code = _code(total_norm)
+        launches = _launch_sets(plan, table, ("clip by", code), lambda: _scale.scale_launches(table, _scale.CLIP, code))
         plan.before_write()
+        max_norm_bits = ct.f64_bits(max_norm)
         with _launch_on(plan):
-            _scale.multi_tensor_scale_(table, _scale.CLIP, total_norm, _code(total_norm), max_norm)
-
-
-def _launch_sets(plan: Plan, table: ChunkTable, key, make) -> tuple:
-    """``make()``: launch lists of the kernel modules for ``table`` (``_norm.norm_launches``, ...),
-    kept with the plan under ``key`` while its table and the kernels' tuning stay the same. A call
-    then launches them as they are, without the kernel functions' per-call work: what those
-    check, this module's own calls get right (its plans' tables, outputs it makes)."""
-    kept = plan.memo.get(key)
-    tuning = ct.tuning()
-    if kept is None or kept[0] is not table or kept[1] != tuning:
-        kept = plan.memo[key] = (table, tuning, make())
-    return kept[2]
+            for launch in launches:
+                launch(total_norm, max_norm_bits)
 
 
 def clip_grad_norm_(plan: Plan, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
@@ -291,9 +306,14 @@ def unscale_check_norm(plan: Plan, inv_scale: torch.Tensor, norm_type: float):
     if len(plan) == 0:
         return _empty_norm(plan)[0], found.zero_()
     table = _table(plan)
+    found_write = _norm.FOUND_WRITE
+    launches = _launch_sets(
+        plan, table, ("unscaled norm", norm_type), lambda: _norm.norm_launches(table, norm_type, False, found_write)
+    )
     total = _new_scalar(plan.out_dtype, plan.device)
     with _launch_on(plan):
-        _norm.multi_tensor_norm(table, norm_type, total, None, inv_scale, found, _norm.FOUND_WRITE)
+        for launch in launches:
+            launch(total, inv_scale, found)
     return total, found
 
 
