@@ -1,17 +1,15 @@
 """Host time per call (median µs) through the public API alone, so that it runs against any
 version of gradfuse: the drop-in clip, `GradBuckets.clip_grad_norm_` and
 `GradScaler.unscale_and_clip_` on the same list again (16-element fp32 gradients, an inactive clip,
-one thread) at 1, 148, 2000 and 10,000 tensors; ``moved``, the drop-in clip where each call's
+one thread) at 1, 148, 2000 and 10,000 tensors; and ``moved``, the drop-in clip where each call's
 gradients are other tensors at other addresses (set, untimed, from more gradient sets than any
-version keeps plans for one list shape: a loop that sets gradients to None between steps);
-``fresh``, the drop-in clip where each call's gradients were just made anew (untimed: set to
-None, then each made by a torch op, as a backward makes them), their metadata no longer in the
-nearest caches; and ``ddp``, the drop-in clip handed the DDP hook's norm (``measured=state``)
-after each backward (untimed) of a one-process gloo DDP over the gradients: the check that they
-are what that backward left, then the scale pass over DDP's buckets.
+version keeps plans for one list shape: a loop that sets gradients to None between steps); and
+``ddp``, the drop-in clip handed the DDP hook's norm (``measured=state``) after each backward (untimed)
+of a one-process gloo DDP over the gradients: the check that they are what that backward left,
+then the scale pass over DDP's buckets.
 
 Usage: PYTHONPATH=<a checkout>/python taskset -c 1 python benches/host_time.py [--standin] [API ...]
-(APIs: clip, buckets, scaler, moved, fresh, ddp; all six by default.)
+(APIs: clip, buckets, scaler, moved, ddp; all five by default.)
 
 ``--standin``: through the Triton backend with the host bench's stand-in launcher (no GPU: each
 launch stops at the compiled kernel's launcher; ``gradfuse.bench.host``), the CUDA path's host work.
@@ -79,16 +77,6 @@ def main(apis: list[str]) -> None:
 
             next_set()
             row["moved"] = median_us(lambda ps=ps: gradfuse.clip_grad_norm_(ps, MAX_NORM), reps, next_set)
-        if "fresh" in apis:
-            ps = params(n)
-
-            def remake(ps=ps):
-                for p in ps:
-                    p.grad = None
-                for p in ps:
-                    p.grad = torch.randn(16) * 1e-2
-
-            row["fresh"] = median_us(lambda ps=ps: gradfuse.clip_grad_norm_(ps, MAX_NORM), reps, remake)
         if "ddp" in apis:
             row["ddp"] = ddp_handover_us(n, reps)
         if "scaler" in apis:
@@ -150,4 +138,4 @@ if __name__ == "__main__":
     if "--standin" in args:
         args.remove("--standin")
         standin()
-    main(args or ["clip", "buckets", "scaler", "moved", "fresh", "ddp"])
+    main(args or ["clip", "buckets", "scaler", "moved", "ddp"])
