@@ -699,8 +699,9 @@ def test_kept_launch_sets_follow_the_table_and_the_tuning(monkeypatch):
         coef = 1e-2 / (exact + 1e-6)
         assert all(torch.allclose(g.double(), w * coef, rtol=2e-6, atol=0) for g, w in zip(grads, want, strict=True))
         plan = make_plan("t", "grads", grads, inplace=True)
-        table, tuning, (norm, scale) = plan.memo[("clip", 2.0)]
+        table, tuning, sets = plan.memo["launches"]
         assert table is _triton._table(plan) and tuning == ct.tuning()
+        norm, scale = sets[("clip", 2.0)]
         return table, norm + scale
 
     table, launches = clip_and_check()
@@ -729,6 +730,8 @@ def test_prepared_launches_kept_per_table_are_bounded():
         want, _ = ref_norms(tensors, p)
         assert close(total.item(), want, 2e-6), (p, total.item(), want)
         sizes.append(len(table._prepared))
+        kept = make_plan("t", "tensors", tensors, inplace=False).memo["launches"][2]
+        assert 0 < len(kept) <= _triton._LAUNCH_SETS_PER_PLAN  # and the plan keeps a bounded number
     assert max(sizes) <= ct._PREPARED_PER_TABLE and sizes[-1] < sizes[ct._PREPARED_PER_TABLE - 1]
 
 

@@ -143,16 +143,27 @@ def _new_scalar(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty_like(like)
 
 
-def _launch_sets(plan: Plan, table: ChunkTable, key, make) -> tuple:
+#: Launch sets a plan keeps (a handful of operations and norm orders in use; a norm order per
+#: call would otherwise add one at every call).
+_LAUNCH_SETS_PER_PLAN = 16
+
+
+def _launch_sets(plan: Plan, table: ChunkTable, key, make):
     """``make()``: launch lists of the kernel modules for ``table`` (``_norm.norm_launches``, ...),
     kept with the plan under ``key`` while its table and the kernels' tuning stay the same. A call
     then launches them as they are, without the kernel functions' per-call work: what those
     check, this module's own calls get right (its plans' tables, outputs it makes)."""
-    kept = plan.memo.get(key)
+    kept = plan.memo.get("launches")
     tuning = ct.tuning()
     if kept is None or kept[0] is not table or kept[1] != tuning:
-        kept = plan.memo[key] = (table, tuning, make())
-    return kept[2]
+        kept = plan.memo["launches"] = (table, tuning, {})
+    sets = kept[2]
+    found = sets.get(key)
+    if found is None:
+        if len(sets) >= _LAUNCH_SETS_PER_PLAN:
+            sets.clear()
+        found = sets[key] = make()
+    return found
 
 
 def _empty_norm(plan: Plan):
