@@ -638,6 +638,17 @@ def test_unaligned_views_form_their_own_group(monkeypatch):
     assert all(same_bits(o, r) for o, r in zip(ours, rust, strict=True))
 
 
+def clip_checked(grads, max_norm):
+    """gradfuse's clip of ``grads`` (fp32, in place), checked against float64: the total is the
+    norm they had, and each is scaled by torch's coefficient."""
+    want = [g.double() for g in grads]
+    total = gradfuse.clip_grad_norm_(params_of(grads), max_norm)
+    exact, _ = ref_norms(want, 2.0)
+    assert close(total.item(), exact, 2e-6)
+    coef = max_norm / (exact + 1e-6)
+    assert all(torch.allclose(g.double(), w * coef, rtol=2e-6, atol=0) for g, w in zip(grads, want, strict=True))
+
+
 def test_prepared_launches_follow_a_list_to_its_new_addresses():
     """A list made again at other addresses (gradients set to None, a step later) moves its plan's
     chunk table, and the table's prepared launches with it: the norm and the scale run on the new
@@ -650,12 +661,7 @@ def test_prepared_launches_follow_a_list_to_its_new_addresses():
     table = _triton._table(make_plan("t", "grads", old, inplace=True))
     assert table._prepared, "the clip left no prepared launches"
     new = [rand(n, torch.float32, 3.0, gen) for n in (5, CHUNK + 3, 40)]
-    want = [t.double() for t in new]
-    total = gradfuse.clip_grad_norm_(params_of(new), 1e-2)
-    exact, _ = ref_norms(want, 2.0)
-    assert close(total.item(), exact, 2e-6)
-    coef = 1e-2 / (exact + 1e-6)
-    assert all(torch.allclose(t.double(), w * coef, rtol=2e-6, atol=0) for t, w in zip(new, want, strict=True))
+    clip_checked(new, 1e-2)
     assert all(torch.equal(a, b) for a, b in zip(old, old_after, strict=True))
     assert not any(torch.equal(a, b) for a, b in zip(old_after, old_before, strict=True))
     moved = _triton._table(make_plan("t", "grads", new, inplace=True))
@@ -692,12 +698,7 @@ def test_kept_launch_sets_follow_the_table_and_the_tuning(monkeypatch):
     grads = [rand(n, torch.float32, 3.0, gen) for n in (5, CHUNK + 3, 40)]
 
     def clip_and_check():
-        want = [g.double() for g in grads]
-        total = gradfuse.clip_grad_norm_(params_of(grads), 1e-2)
-        exact, _ = ref_norms(want, 2.0)
-        assert close(total.item(), exact, 2e-6)
-        coef = 1e-2 / (exact + 1e-6)
-        assert all(torch.allclose(g.double(), w * coef, rtol=2e-6, atol=0) for g, w in zip(grads, want, strict=True))
+        clip_checked(grads, 1e-2)
         plan = make_plan("t", "grads", grads, inplace=True)
         table, tuning, sets = plan.memo["launches"]
         assert table is _triton._table(plan) and tuning == ct.tuning()
