@@ -543,7 +543,7 @@ def test_aligned_groups_compile_to_16_byte_accesses(monkeypatch):
     compiled = []
     real = _launch.Prepared.__call__
 
-    def keep(self, *values):  # every chunk kernel's launch (ct.run) is a prepared one's
+    def keep(self, *values):  # every chunk kernel's launch (ct.run, a kept launch set) is a prepared one's
         k = real(self, *values)
         compiled.append(k)
         return k
