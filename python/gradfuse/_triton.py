@@ -139,7 +139,10 @@ def _new_scalar(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A new uninitialized 0-d tensor of ``dtype`` on ``device``, for a kernel to write."""
     like = _SCALARS.get((dtype, device))
     if like is None:
-        like = _SCALARS[(dtype, device)] = torch.empty((), dtype=dtype, device=device)
+        like = torch.empty((), dtype=dtype, device=device)
+        if device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing():
+            return like  # not kept: made from a graph's private pool, it would hold the pool's memory
+        _SCALARS[(dtype, device)] = like
     return torch.empty_like(like)
 
 
