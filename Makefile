@@ -38,7 +38,7 @@ wheel:              ## the abi3 wheel (for a GPU machine: carry dist/ and pip in
 gpu-compile:        ## every Triton kernel specialization compiled for sm_90 and sm_80 (no GPU needed): table and checks
 	$(PYTHON) tests/kernel_compile.py
 
-gpu-check:          ## the one command a GPU machine runs (README, "GPU"): CUDA tests, then the CUDA bench, in 7.5 min
+gpu-check:          ## the one command a GPU machine runs (README, "GPU"): CUDA tests, the CUDA bench, the host probe, in 8.5 min
 	$(PYTHON) tests/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_FLAGS)
 
 gpu-check-dry:      ## gpu-check's plumbing without a GPU: the CUDA tests collect and skip, a quick CPU bench

@@ -8,18 +8,21 @@ A GPU is at hand now and then, for minutes, and only a few small files come back
 3. ``serial cuda tests``: ``pytest -m "cuda and serial"``, one at a time (tests that start
    process groups or need most of the GPU's memory);
 4. ``bench``: ``python -m gradfuse bench --device cuda``, which rewrites its record files after
-   every workload, so a run stopped at its limit keeps what it finished.
+   every workload, so a run stopped at its limit keeps what it finished;
+5. ``host probe``: ``benches/host_probe.py``, where one call's host time goes on this machine
+   (the drop-in clip timed and under cProfile at 1, 148 and 2000 tensors, beside a pure-Python
+   calibration loop and torch's own calls), the split the stand-in cannot show.
 
 Each part runs in its own process group under its own time limit (SIGTERM, then SIGKILL 10 s
 later, to the whole group: xdist's workers too), so one hang cannot eat the others' time; the
-defaults add up to 7.5 minutes. What a part leaves running when it ends is stopped the same way
+defaults add up to 8.5 minutes. What a part leaves running when it ends is stopped the same way
 (it would run on beside the bench). SIGTERM or SIGHUP to the check itself (the machine's own
 limit, which does not reach the parts' groups) stops the running part's group and writes the
 files, naming that part as stopped. The output folder (``--out``; ``make`` passes ``GPU_OUT``,
 which defaults to ``$OUT`` when that is set) gets at most 8 small files: ``summary.txt``,
-``cuda-tests.xml`` (the JUnit XML of both test parts), ``cuda-tests.log`` and ``bench.log``
-(trimmed), and the bench's own ``cuda_<device>_<date>.json``/``.md`` (and ``.png`` when it
-finished). The exit status is 0 when every part passed in time.
+``cuda-tests.xml`` (the JUnit XML of both test parts), ``cuda-tests.log``, ``bench.log`` and
+``host-probe.log`` (trimmed), and the bench's own ``cuda_<device>_<date>.json``/``.md`` (and
+``.png`` when it finished). The exit status is 0 when every part passed in time.
 
 ``--dry-run`` runs the same plumbing on a machine without a GPU: the CUDA tests collect and
 skip, and the bench is a ``--quick`` CPU run of two workloads.
@@ -242,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests-limit", type=float, default=180, help="seconds (default 180)")
     parser.add_argument("--serial-limit", type=float, default=60, help="seconds (default 60)")
     parser.add_argument("--bench-limit", type=float, default=180, help="seconds (default 180)")
+    parser.add_argument("--probe-limit", type=float, default=60, help="seconds (default 60)")
     parser.add_argument(
         "--bench-workloads", nargs="+", default=None, help="bench --workloads (default: all but the sweep)"
     )
@@ -284,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             ok_codes=(0, 5),  # 5: no test selected
         ),
         Part("bench", bench, args.bench_limit, work / "bench.log"),
+        Part("host probe", [py, str(ROOT / "benches" / "host_probe.py")], args.probe_limit, work / "host-probe.log"),
     ]
     return run_parts(out, parts, time.strftime("%Y-%m-%d %H:%M:%S %Z"), args.dry_run)
 
@@ -313,8 +318,10 @@ def run_parts(out: Path, parts: list[Part], started: str, dry_run: bool) -> int:
 
 
 def write_outputs(out: Path, parts: list[Part], started: str, dry_run: bool) -> str:
-    """summary.txt, cuda-tests.xml, cuda-tests.log and bench.log from what the parts left so far."""
-    versions, parallel, serial, bench = parts
+    """summary.txt, cuda-tests.xml, cuda-tests.log, bench.log and host-probe.log from what the
+    parts left so far (``parts``: versions, both test parts, the bench, then the host probe when
+    there is one)."""
+    versions, parallel, serial, bench, *probe = parts
 
     def log(part: Part) -> str:
         return part.log.read_text(errors="replace") if part.log.is_file() else ""
@@ -322,6 +329,8 @@ def write_outputs(out: Path, parts: list[Part], started: str, dry_run: bool) -> 
     merge_junit([parallel.log.with_suffix(".xml"), serial.log.with_suffix(".xml")], out / "cuda-tests.xml")
     (out / "cuda-tests.log").write_text(trim(log(parallel) + "\n" + log(serial)))
     (out / "bench.log").write_text(trim(log(bench)))
+    if probe:
+        (out / "host-probe.log").write_text(trim(log(probe[0])))
     tests = junit_summary(out / "cuda-tests.xml")
     benched = bench_summary(out, started_after=versions.started)
     summary = "\n".join(

@@ -91,9 +91,11 @@ def test_dry_run_leaves_a_summary_and_at_most_eight_files(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     names = sorted(p.name for p in out.iterdir())
-    assert len(names) <= 8 and {"summary.txt", "cuda-tests.xml", "cuda-tests.log", "bench.log"} <= set(names)
+    assert len(names) <= 8
+    assert {"summary.txt", "cuda-tests.xml", "cuda-tests.log", "bench.log", "host-probe.log"} <= set(names)
     summary = (out / "summary.txt").read_text()
-    assert "bench: passed" in summary and "cuda tests (serial): passed" in summary
+    assert "bench: passed" in summary and "cuda tests (serial): passed" in summary and "host probe: passed" in summary
+    assert "n=2000: clip" in (out / "host-probe.log").read_text()
     assert "0 failed, 0 errors" in summary and "2 workloads, complete, 0 failed" in summary
     (records,) = out.glob("cpu_*.json")
     assert json.loads(records.read_text())["complete"] is True
