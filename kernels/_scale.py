@@ -12,7 +12,6 @@ tensor's arithmetic type. When it is exactly 1 every program returns before touc
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -90,31 +89,14 @@ def _scale_kernel(
     rewrite_chunk(x_ptr, start, body_end, tail, numel, f, f, MUL, MT, CHUNK, BLOCK, VEC)
 
 
-def multi_tensor_scale_(
-    table: ct.ChunkTable,
-    mode: int,
-    factor: torch.Tensor,
-    code: int,
-    max_norm: float = 0.0,
-    inv_scale: torch.Tensor | None = None,
-) -> None:
-    """``x *= factor`` in place for every tensor of ``table`` (see the module docstring for the
-    modes); nothing is touched when the factor is exactly 1. ``code`` is the dtype code of
-    ``factor`` (as the table's codes). One launch per table group."""
-    if mode == UNSCALE_CLIP and inv_scale is None:
-        raise ValueError("gradfuse.kernels: UNSCALE_CLIP needs inv_scale")
-    max_norm_bits = ct.f64_bits(float(max_norm)) if mode != SCALE else 0
-    values = (factor, inv_scale, max_norm_bits) if mode == UNSCALE_CLIP else (factor, max_norm_bits)
-    for launch in scale_launches(table, mode, code):
-        launch(*values)
-
-
 def scale_launches(table: ct.ChunkTable, mode: int, code: int):
-    """The launches of :func:`multi_tensor_scale_` on ``table`` in ``mode`` for a factor of dtype
-    code ``code`` (one per group, in order; see ``_chunk_table.launches``), each taking
-    ``(factor, inv_scale, max_norm_bits)``, ``inv_scale`` only in UNSCALE_CLIP mode,
-    ``max_norm_bits`` the float64 bits of ``max_norm`` (``_chunk_table.f64_bits``; 0 in SCALE
-    mode): for a caller that keeps them (and checks them itself)."""
+    """The launches of ``x *= factor`` in place over every tensor of ``table`` in ``mode`` (see
+    the module docstring; nothing is touched when the factor is exactly 1), for a one-element
+    ``factor`` of dtype code ``code`` (as the table's codes): one per group, in order (see
+    ``_chunk_table.launches``), each taking ``(factor, inv_scale, max_norm_bits)``, ``inv_scale``
+    (float32, one element) only in UNSCALE_CLIP mode, ``max_norm_bits`` the float64 bits of
+    ``max_norm`` (``_chunk_table.f64_bits``; 0 in SCALE mode). The caller keeps them with its
+    table, and checks the arguments."""
     eps_bits = ct.f64_bits(1e-6) if mode != SCALE else 0
     unscales = mode == UNSCALE_CLIP
 
