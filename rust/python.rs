@@ -44,7 +44,8 @@ struct TensorList {
     /// [`TensorList::probe`] (a permuted tensor's sizes and strides by the Python layer); None:
     /// all are 0.
     formats: Option<Vec<u8>>,
-    /// The bytes of the tensors' data: a probe of a list past `prefetch::min_bytes` prefetches.
+    /// The bytes of the tensors' data: a probe of a list past `prefetch::min_bytes` (these and
+    /// `prefetch::METADATA_BYTES` a tensor) prefetches.
     bytes: usize,
 }
 
@@ -126,7 +127,7 @@ impl TensorList {
             return Ok(py.None());
         }
         let mut addrs = Vec::with_capacity(self.tensors.len());
-        let ahead = prefetch::offsets().filter(|_| prefetch::probed(self.bytes));
+        let ahead = prefetch::offsets().filter(|_| prefetch::probed(self.bytes, self.tensors.len()));
         for (i, (t, want)) in tensors.iter().zip(&self.tensors).enumerate() {
             if let Some(o) = ahead {
                 // SAFETY: the GIL is held and `tensors` is a live list.
