@@ -258,7 +258,8 @@ class Prepared:
     specialization the check refused, go through :meth:`Launcher.__call__`)."""
 
     __slots__ = (
-        "args", "device", "generation", "grid", "kernels", "launcher", "meta", "packed", "slot_bind", "slot_index",
+        "args", "device", "generation", "grid", "kernels", "launcher", "meta", "packed", "ptr_index", "slot_bind",
+        "slot_index",
     )  # fmt: skip
 
     def __init__(self, launcher: Launcher, grid: int, args: tuple, meta: dict, device: int):
@@ -267,6 +268,8 @@ class Prepared:
         self.launcher, self.grid, self.args, self.meta, self.device = launcher, grid, tuple(args), meta, device
         #: Per slot: its index among the runtime arguments.
         self.slot_index = [i for i, a in enumerate(args) if a is SLOT]
+        #: The indices of the fixed pointers (what :meth:`moved` may replace).
+        self.ptr_index = [i for i, a in enumerate(args) if type(a) is Ptr]
         #: Per slot: ``(its parameter, whether an integer there is a plain i32, its position in the
         #: packed arguments)``.
         self.slot_bind = []
@@ -330,19 +333,20 @@ class Prepared:
         ``allowed`` (ids): it would launch on a buffer that is not the new table's."""
         args = list(self.args)
         packed = None if self.packed is None else self.packed.copy()
-        for i, a in enumerate(args):
-            if type(a) is not Ptr:
-                continue
+        pos = self.launcher.packed_pos if packed is not None else None
+        for i in self.ptr_index:
+            a = args[i]
             new = replace.get(id(a), a)
             if id(new) not in allowed or new.spec != a.spec:
                 return None
             args[i] = new
-            if packed is not None:
-                packed[self.launcher.packed_pos[i]] = new.addr
+            if pos is not None:
+                packed[pos[i]] = new.addr
         other = Prepared.__new__(Prepared)
-        for slot in Prepared.__slots__:
-            setattr(other, slot, getattr(self, slot))
+        other.launcher, other.grid, other.meta, other.device = self.launcher, self.grid, self.meta, self.device
+        other.slot_index, other.ptr_index, other.slot_bind = self.slot_index, self.ptr_index, self.slot_bind
         # The kept specializations are shared: the same launcher, meta and specs, so the same keys.
+        other.kernels, other.generation = self.kernels, self.generation
         other.args, other.packed = tuple(args), packed
         return other
 

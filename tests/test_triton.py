@@ -688,6 +688,9 @@ def test_a_prepared_launch_holding_a_buffer_not_the_new_tables_is_not_moved():
     moved = prepared.moved(replace, allowed)
     assert moved is not None and moved.args[0] is replace[id(table.addr_args[0])] and moved.args[4] is foreign
     assert moved.kernels is prepared.kernels  # the same keys: the specializations are shared
+    # Everything else is the launch's as it was: no part left out of the copy.
+    kept = [s for s in _launch.Prepared.__slots__ if s not in ("args", "packed")]
+    assert all(getattr(moved, s) is getattr(prepared, s) for s in kept)
 
 
 def test_kept_launch_sets_follow_the_table_and_the_tuning(monkeypatch):
