@@ -115,13 +115,22 @@ impl TensorList {
     /// own attribute getters (see [`set_probes`]): each a plain tensor (`torch.Tensor` or
     /// `nn.Parameter`) with this list's dtype and size in bytes, contiguous in its memory format
     /// (see `formats`; a [`PERMUTED`] one's sizes and strides are the caller's to confirm), and
-    /// with `writing` not an inference tensor; one at another address than this list's on
+    /// with `writing` not an inference tensor, with `signed` not negated (torch's negative bit: its
+    /// memory holds the negation of its values); one at another address than this list's on
     /// `device` (`Tensor.get_device()`'s index, -1 for the CPU), read then: an address names its
     /// device, so one at this list's own address needs no reading. Returns None when one is not
     /// (or a probe raised: the caller plans the list anew, which names the problem), True when
     /// they are at this list's addresses too, else their addresses (see [`words`]). Raises when
     /// the probes are not set.
-    fn probe(&self, py: Python<'_>, tensors: &Bound<'_, PyList>, writing: bool, device: i64) -> PyResult<Py<PyAny>> {
+    #[pyo3(signature = (tensors, writing, device, signed=false))]
+    fn probe(
+        &self,
+        py: Python<'_>,
+        tensors: &Bound<'_, PyList>,
+        writing: bool,
+        device: i64,
+        signed: bool,
+    ) -> PyResult<Py<PyAny>> {
         let probes = PROBES.get(py).ok_or_else(|| PyRuntimeError::new_err("gradfuse._rust: probes not set"))?;
         if tensors.len() != self.tensors.len() {
             return Ok(py.None());
@@ -136,7 +145,7 @@ impl TensorList {
             let format = self.formats.as_ref().map_or(0, |f| f[i]);
             // SAFETY: `t` is a live object (the list holds it) and the GIL is held; `probe_one`
             // calls torch's getters only on exact `torch.Tensor`/`nn.Parameter` instances.
-            match unsafe { probes.probe_one(t.as_ptr(), want, writing, format) } {
+            match unsafe { probes.probe_one(t.as_ptr(), want, writing, signed, format) } {
                 // SAFETY: as above; `probe_one` found `t` a plain tensor.
                 Some(addr) if addr == want.addr || unsafe { probes.device_of(t.as_ptr()) } == Some(device) => {
                     addrs.push(addr)
@@ -308,9 +317,11 @@ struct Probes {
     nbytes: Getter,
     version: Getter,
     grad: Getter,
+    shape: Getter,
     data_ptr: Method,
     is_contiguous: Method,
     get_device: Method,
+    is_neg: Method,
     /// `is_contiguous`'s keyword arguments for memory formats 1..=LAYOUTS (`memory_format=...`).
     layouts: Vec<Py<PyDict>>,
     /// torch's dtype objects of codes 0..=3, and the plain tensor types.
@@ -395,9 +406,10 @@ fn method_of(descr: &Bound<'_, PyAny>, name: &str) -> Option<Method> {
     }
 }
 
-/// Sets the probes of [`TensorList::probe`], [`grads_are`] and [`addrs_are`]: `getters` are
-/// torch's getset descriptors `dtype`, `nbytes`, `_version` and `grad`, `methods` its method
-/// descriptors `data_ptr`, `is_contiguous` and `get_device` (as
+/// Sets the probes of [`TensorList::probe`], [`grads_are`], [`addrs_are`] and
+/// [`shape_mismatch`]: `getters` are torch's getset descriptors `dtype`, `nbytes`, `_version`,
+/// `grad` and `shape`, `methods` its method descriptors `data_ptr`, `is_contiguous`, `get_device`
+/// and `is_neg` (as
 /// `torch.Tensor` resolves them), `dtypes` the dtype objects of codes 0..=3, `plain` the tensor
 /// types probed and `layouts` the keyword arguments of `is_contiguous` for memory formats
 /// 1..=LAYOUTS (`{"memory_format": torch.channels_last}`, ...). Returns False, setting nothing, when any descriptor is not what a probe can call
@@ -412,27 +424,42 @@ fn set_probes(
     plain: Vec<Py<PyAny>>,
     layouts: Vec<Py<PyDict>>,
 ) -> PyResult<bool> {
-    if getters.len() != 4 || methods.len() != 3 || dtypes.len() != 4 || layouts.len() != LAYOUTS {
-        return Err(PyValueError::new_err(format!("set_probes: 4 getters, 3 methods, 4 dtypes, {LAYOUTS} layouts")));
+    if getters.len() != 5 || methods.len() != 4 || dtypes.len() != 4 || layouts.len() != LAYOUTS {
+        return Err(PyValueError::new_err(format!("set_probes: 5 getters, 4 methods, 4 dtypes, {LAYOUTS} layouts")));
     }
-    let (Some(dtype), Some(nbytes), Some(version), Some(grad)) = (
+    let (Some(dtype), Some(nbytes), Some(version), Some(grad), Some(shape)) = (
         getter_of(&getters[0], "dtype"),
         getter_of(&getters[1], "nbytes"),
         getter_of(&getters[2], "_version"),
         getter_of(&getters[3], "grad"),
+        getter_of(&getters[4], "shape"),
     ) else {
         return Ok(false);
     };
-    let (Some(data_ptr), Some(is_contiguous @ Method::Keywords(_)), Some(get_device)) = (
+    let (Some(data_ptr), Some(is_contiguous @ Method::Keywords(_)), Some(get_device), Some(is_neg)) = (
         method_of(&methods[0], "data_ptr"),
         method_of(&methods[1], "is_contiguous"),
         method_of(&methods[2], "get_device"),
+        method_of(&methods[3], "is_neg"),
     ) else {
         return Ok(false); // is_contiguous takes memory_format: a torch whose does not is not probed
     };
     let empty = PyTuple::empty(py).unbind();
-    let probes =
-        Probes { dtype, nbytes, version, grad, data_ptr, is_contiguous, get_device, layouts, dtypes, plain, empty };
+    let probes = Probes {
+        dtype,
+        nbytes,
+        version,
+        grad,
+        shape,
+        data_ptr,
+        is_contiguous,
+        get_device,
+        is_neg,
+        layouts,
+        dtypes,
+        plain,
+        empty,
+    };
     let _ = PROBES.set(py, probes);
     Ok(true)
 }
@@ -582,6 +609,48 @@ fn grads_are(
     Ok(Some(params.len() == grads.len() && params.len() == n))
 }
 
+/// The index of the first pair `a[i]`, `b[i]` whose shapes differ (torch's `shape` getter, the
+/// sizes compared as Python compares them), -1 when none does; None when the probes are not set,
+/// the lists differ in length (also after a getter ran Python code, under a torch function mode),
+/// a tensor is not plain or a getter raises: the caller then compares them itself, which names
+/// the problem as torch would.
+#[pyfunction]
+fn shape_mismatch(py: Python<'_>, a: &Bound<'_, PyList>, b: &Bound<'_, PyList>) -> PyResult<Option<isize>> {
+    let Some(probes) = PROBES.get(py) else { return Ok(None) };
+    let n = a.len();
+    if b.len() != n {
+        return Ok(None);
+    }
+    for i in 0..n {
+        // Bounds-checked at every step: a getter may have run Python code that shrank a list.
+        let (Ok(x), Ok(y)) = (a.get_item(i), b.get_item(i)) else { return Ok(None) };
+        // SAFETY: `x` and `y` are live (owned references), the GIL is held, the getter is called on
+        // plain tensors only, and both new references are released.
+        let same = unsafe {
+            if !probes.is_plain(x.as_ptr()) || !probes.is_plain(y.as_ptr()) {
+                return Ok(None);
+            }
+            let Some(sx) = probes.get(&probes.shape, x.as_ptr()) else { return Ok(None) };
+            let Some(sy) = probes.get(&probes.shape, y.as_ptr()) else {
+                ffi::Py_DECREF(sx);
+                return Ok(None);
+            };
+            let same = ffi::PyObject_RichCompareBool(sx, sy, ffi::Py_EQ);
+            ffi::Py_DECREF(sx);
+            ffi::Py_DECREF(sy);
+            if same < 0 {
+                ffi::PyErr_Clear();
+                return Ok(None);
+            }
+            same == 1
+        };
+        if !same {
+            return Ok(Some(i as isize));
+        }
+    }
+    Ok(Some(-1))
+}
+
 /// Whether `tensors[i].data_ptr() == addrs[i]` for every `i` (`addrs`: see [`words`]), through
 /// torch's `data_ptr` in one pass; None when the probes are not set. A tensor that is not plain,
 /// or whose `data_ptr` raises, makes it False.
@@ -685,7 +754,14 @@ impl Probes {
     ///
     /// # Safety
     /// `t` is a live object and the GIL is held.
-    unsafe fn probe_one(&self, t: *mut ffi::PyObject, want: &RawTensor, writing: bool, format: u8) -> Option<usize> {
+    unsafe fn probe_one(
+        &self,
+        t: *mut ffi::PyObject,
+        want: &RawTensor,
+        writing: bool,
+        signed: bool,
+        format: u8,
+    ) -> Option<usize> {
         // SAFETY: the getters and methods are called on exact torch.Tensor/nn.Parameter objects
         // only, as Python's attribute lookup would call them; every new reference is released.
         unsafe {
@@ -716,6 +792,14 @@ impl Probes {
             if writing {
                 // Inference tensors have no version counter: reading it raises.
                 ffi::Py_DECREF(self.get(&self.version, t)?);
+            }
+            if signed {
+                let negated = self.call(&self.is_neg, t)?;
+                let is_true = negated == ffi::Py_True();
+                ffi::Py_DECREF(negated);
+                if is_true {
+                    return None;
+                }
             }
             self.addr_of(t)
         }
@@ -1069,6 +1153,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(backend_env, m)?)?;
     m.add_function(wrap_pyfunction!(grads_are, m)?)?;
     m.add_function(wrap_pyfunction!(addrs_are, m)?)?;
+    m.add_function(wrap_pyfunction!(shape_mismatch, m)?)?;
     m.add_function(wrap_pyfunction!(norm, m)?)?;
     m.add_function(wrap_pyfunction!(unscale_check_norm, m)?)?;
     m.add_function(wrap_pyfunction!(stats, m)?)?;

@@ -442,6 +442,90 @@ def test_an_inference_tensor_in_place_of_a_kept_one_gets_torchs_error():
     assert all(same_bits(g, b) for g, b in zip(frozen, before, strict=True))
 
 
+def _negated(t: torch.Tensor) -> torch.Tensor:
+    """``t`` made a lazily negated view of its own memory, in place (``.data =``): the same
+    object, address, dtype, size and layout, each value now the negation of what its memory holds."""
+    t.data = torch._neg_view(t.data)
+    assert t.is_neg()
+    return t
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["kept plans", "new plans"])
+def test_negated_views_give_the_values_they_hold(backend, fresh):
+    """A tensor with torch's negative bit (``torch._neg_view``, ``z.conj().imag``) holds the
+    negation of its values in memory. An addition into or from one, and a clamp into a range that
+    is not symmetric, give the results of its values, whether its plan is new or was kept for it
+    before the bit was set (same address: the confirmation asks); a clip and a norm, whose results
+    a negation does not change, give torch's answer too. Checked against float64 references of
+    the values, a dtype pair (fp32 += bf16) among the additions."""
+    gen = torch.Generator().manual_seed(11)
+    dst = [torch.randn(s, generator=gen) for s in SHAPES]
+    src = [torch.randn(s, generator=gen).to(torch.bfloat16 if i == 1 else torch.float32) for i, s in enumerate(SHAPES)]
+    grads = [torch.randn(s, generator=gen) for s in SHAPES]
+    if fresh:
+        _plan.clear_plans()  # none kept for other tensors that were at these addresses
+    else:  # plans made and kept for the lists as they are
+        for _ in range(2):
+            gradfuse.accumulate_(dst, src, alpha=0.0)
+            gradfuse.ops.clamp_op([g.clone() for g in grads], -1e9, 1e9)
+            gradfuse.ops.clamp_op(grads, -1e9, 1e9)
+            gradfuse.multi_tensor_norm(grads)
+    for i in (0, 3):
+        _negated(dst[i])
+        _negated(src[i + 1])
+        _negated(grads[i])
+
+    want = [d.double() + 0.5 * s.double() for d, s in zip(dst, src, strict=True)]
+    gradfuse.accumulate_(dst, src, alpha=0.5)
+    for i, (d, w) in enumerate(zip(dst, want, strict=True)):
+        # fp32 sums of fp32 and bf16 values: one rounding of the sum (w is exact in float64).
+        torch.testing.assert_close(d.double(), w, rtol=2**-23, atol=0, msg=f"dst[{i}]")
+    assert dst[0].is_neg() and dst[3].is_neg()  # written through torch: still negated views
+
+    total, _ = ref_norms(grads, 2.0)
+    assert close(gradfuse.multi_tensor_norm(grads).item(), total, 4e-6)
+    clamped = [g.double().clamp(-0.25, 1.0) for g in grads]
+    gradfuse.ops.clamp_op(grads, -0.25, 1.0)
+    assert all(torch.equal(g.double(), c) for g, c in zip(grads, clamped, strict=True))
+    # Their memory holds the negation: a clip by 0.5 scales it, and so the values.
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    before = [g.double() for g in grads]
+    total, _ = ref_norms(before, 2.0)
+    got = gradfuse.clip_grad_norm_(params, 0.5)
+    assert close(got.item(), total, 4e-6)
+    coef = 0.5 / (got.item() + 1e-6)
+    for g, b in zip(grads, before, strict=True):
+        torch.testing.assert_close(g.double(), b * coef, rtol=2**-22, atol=0)
+
+
+def test_the_shape_check_of_a_pair_names_the_first_pair_that_differs():
+    """``accumulate_``'s pairs: shapes compared in one pass (the Rust core's), the first pair of
+    other shapes named as Python would find it, nothing modified; a subclass among them is
+    compared in Python (the pass cannot answer for it)."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    dst = [torch.zeros(4, 3), torch.zeros(6), torch.zeros(2, 8), torch.zeros(3)]
+    for src, index in (
+        ([torch.ones(4, 3), torch.ones(6), torch.ones(8, 2), torch.ones(3, 1)], 2),
+        ([torch.ones(4, 3), torch.ones(6), torch.ones(2, 8), torch.ones(3, 1)], 3),
+        ([torch.ones(4, 3), torch.ones(2, 3), torch.ones(2, 8), torch.ones(3)], 1),
+        ([torch.ones(4, 3), torch.ones(6).as_subclass(Sub), torch.ones(2, 8), torch.ones(1, 3)], 3),
+    ):
+        with pytest.raises(ValueError, match=rf"dst\[{index}\] has shape .* but src\[{index}\] has shape"):
+            gradfuse.accumulate_(dst, src)
+        assert all(not d.any() for d in dst)
+    if _plan.probes():
+        core = _plan.rust_core()
+        assert core.shape_mismatch(dst, [d.clone() for d in dst]) == -1
+        assert core.shape_mismatch(dst, [torch.ones(4, 3), torch.ones(6), torch.ones(16), torch.ones(3)]) == 2
+        assert core.shape_mismatch(dst, dst[:3]) is None  # other lengths: the caller's to name
+        assert core.shape_mismatch([torch.zeros(2).as_subclass(Sub)], [torch.zeros(2)]) is None
+
+
 def _count_builds(monkeypatch) -> list:
     """The ops of the plans made from here on (none kept before)."""
     _plan.clear_plans()

@@ -330,6 +330,7 @@ _LOCK = threading.Lock()
 _PLAIN = frozenset({Tensor, torch.nn.Parameter})
 _data_ptr = Tensor.data_ptr
 _is_contiguous = Tensor.is_contiguous
+_is_neg = Tensor.is_neg
 _nbytes = attrgetter("nbytes")
 _shape = attrgetter("shape")
 _get_device = Tensor.get_device
@@ -337,7 +338,16 @@ _get_device = Tensor.get_device
 _PROBE_ERRORS = (RuntimeError, TypeError, AttributeError, NotImplementedError)
 
 
-def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, device=None, dense_ok: bool = True) -> Plan:
+def make_plan(
+    op: str,
+    name: str,
+    tensors: list[Tensor],
+    *,
+    inplace: bool,
+    device=None,
+    dense_ok: bool = True,
+    signed: bool = False,
+) -> Plan:
     """The validated plan of ``tensors`` (a list): a kept one when they are still what it
     describes, else a new one (kept when none is copied). Raises, naming ``op``, ``name`` and
     the index, when the tensors cannot be planned; nothing is modified.
@@ -347,6 +357,13 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
     the call is on (checked). ``dense_ok``: a non-contiguous tensor whose elements are still one
     dense block (a transpose, say) is used in place; element-wise ops that pair two lists pass
     False, so both sides are walked in the same (row-major) order; ops on rows pass ``ROWS``.
+
+    A tensor with torch's negative bit (a lazily negated view: ``torch._neg_view``,
+    ``z.conj().imag``), whose memory holds the negation of its values, is copied (resolved) in
+    every new plan, and written back through torch. An op whose results do not change when a
+    tensor's memory holds its negation (a norm, a scaling, a symmetric clamp) may still run on one
+    that came later through a kept plan (the confirmation does not ask); an op whose results do
+    (an addition) passes ``signed``, which asks, for its tensors, on a kept plan too.
 
     A kept plan is confirmed in one pass of C-level maps over the tensors: each is a plain tensor
     (``torch.Tensor``/``nn.Parameter``) with the plan's dtype and size in bytes, contiguous (in
@@ -366,7 +383,7 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
         if type(tensors[0]) in _PLAIN and type(tensors[-1]) in _PLAIN:
             key = (inplace, len(tensors), tensors[0].nbytes, tensors[-1].nbytes)
             kept = _PLANS.get(key)
-            plan = _confirm(kept, tensors, device, dense_ok) if kept else None
+            plan = _confirm(kept, tensors, device, dense_ok, signed) if kept else None
             if plan is not None:
                 if plan is not kept[0]:
                     with _LOCK:  # the DDP hook plans on its own thread
@@ -383,10 +400,11 @@ def make_plan(op: str, name: str, tensors: list[Tensor], *, inplace: bool, devic
     return plan
 
 
-def _confirm(kept: list[Plan], tensors: list[Tensor], device, dense_ok: bool) -> Plan | None:
+def _confirm(kept: list[Plan], tensors: list[Tensor], device, dense_ok: bool, signed: bool) -> Plan | None:
     """The kept plan (of one key) that describes ``tensors``, moved to their addresses if they
-    moved, or None. Plans of channels-last tensors serve calls that take dense tensors as they are
-    (``dense_ok``) only."""
+    moved, or None (and None, with ``signed``, when one is negated: see :func:`make_plan`).
+    Plans of channels-last tensors serve calls that take dense tensors as they are (``dense_ok``)
+    only."""
     if not dense_ok:
         kept = [p for p in kept if p.formats is None]
     elif dense_ok == ROWS:
@@ -399,7 +417,7 @@ def _confirm(kept: list[Plan], tensors: list[Tensor], device, dense_ok: bool) ->
         # addresses) or the addresses, on the plan's device (read where an address moved); then
         # the sizes and strides of the permuted tensors.
         for plan in kept:
-            found = plan.tensor_list.probe(tensors, writing, plan.device_index)
+            found = plan.tensor_list.probe(tensors, writing, plan.device_index, signed)
             if found is not None and (not plan.permuted or _same_layouts(plan, tensors)):
                 break
         else:
@@ -414,7 +432,7 @@ def _confirm(kept: list[Plan], tensors: list[Tensor], device, dense_ok: bool) ->
         sizes = list(map(_nbytes, tensors))
         dtypes = list(map(_dtype, tensors))
         kinds = [p for p in kept if p.nbytes == sizes and p.dtypes == dtypes and p.formats is None]
-        if not kinds or not all(map(_is_contiguous, tensors)):
+        if not kinds or not all(map(_is_contiguous, tensors)) or (signed and any(map(_is_neg, tensors))):
             return None
         plan = kinds[0]
         if writing:
@@ -516,8 +534,8 @@ def _set_probes() -> bool:
     this torch keeps a tensor's pointers, for the prefetches of its walks (``_layout``)."""
     try:
         ok = rust_core().set_probes(
-            [Tensor.dtype, Tensor.nbytes, Tensor._version, Tensor.grad],
-            [Tensor.data_ptr, Tensor.is_contiguous, Tensor.get_device],
+            [Tensor.dtype, Tensor.nbytes, Tensor._version, Tensor.grad, Tensor.shape],
+            [Tensor.data_ptr, Tensor.is_contiguous, Tensor.get_device, Tensor.is_neg],
             list(DTYPE_CODES),
             [Tensor, torch.nn.Parameter],
             [{"memory_format": layout} for layout in LAYOUTS[1:]],
@@ -571,9 +589,10 @@ def _build(op: str, name: str, tensors: list[Tensor], inplace: bool, device, den
         # Sparse and other non-strided layouts have no strides to ask about.
         check_layouts(op, name, tensors)
         raise
+    negated = any(map(_is_neg, tensors))
     originals = tensors
     formats = None
-    if not contiguous:
+    if not contiguous or negated:
         check_layouts(op, name, tensors)
         tensors, writeback = _densify(op, name, tensors, inplace, dense_ok)
         if tensors is originals and probes():
@@ -595,7 +614,7 @@ def _build(op: str, name: str, tensors: list[Tensor], inplace: bool, device, den
         plan.laid_out = [i for i, code in enumerate(formats) if code]
         plan.permuted = tuple(i for i, code in enumerate(formats) if code == PERMUTED)
         plan.permuted_layouts = _layouts(tensors, plan.permuted)
-    elif not contiguous:
+    elif not contiguous or negated:
         plan.tensors, plan.writeback, plan.copied = tensors, writeback, tensors is not originals
         if dense_ok == ROWS:
             plan.laid_out = [i for i, t in enumerate(tensors) if t.numel() and not t.is_contiguous()]
@@ -679,16 +698,19 @@ def _overrides_torch(tensors: list[Tensor]) -> bool:
 
 
 def _densify(op: str, name: str, tensors: list[Tensor], inplace: bool, dense_ok: bool):
-    """Contiguous copies of the tensors whose elements are not one dense block (the others are
-    used as they are: ``tensors`` itself when there is no copy) and, for in-place targets, the
-    ``(original, copy)`` pairs to copy back."""
+    """Contiguous copies of the tensors whose elements are not one dense block, or whose memory
+    holds the negation of their values (torch's negative bit; the others are used as they are:
+    ``tensors`` itself when there is no copy) and, for in-place targets, the ``(original,
+    copy)`` pairs to copy back (torch's ``copy_`` writes a negated view's memory as it must)."""
     to_copy = []
     for i, t in enumerate(tensors):
-        if t.is_contiguous() or t.numel() == 0:
+        if t.numel() == 0 or (t.is_contiguous() and not t.is_neg()):
             continue
         if inplace and torch._debug_has_internal_overlap(t) == 1:
             raise InternalOverlapError(internal_overlap_message(op, name, i))
-        if dense_ok == ROWS:
+        if t.is_neg():
+            in_place = False
+        elif dense_ok == ROWS:
             in_place = _format(t) in (1, 2)  # channels-last: every row along dim 0 one block
         else:
             in_place = dense_ok and is_dense(t)
@@ -702,7 +724,9 @@ def _densify(op: str, name: str, tensors: list[Tensor], inplace: bool, dense_ok:
         check_disjoint(op, name, tensors)
     work = list(tensors)
     for i in to_copy:
-        work[i] = tensors[i].contiguous()
+        # Into a new tensor of torch's own (no negative bit) in one copy, which resolves the bit.
+        t = tensors[i]
+        work[i] = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t) if t.is_neg() else t.contiguous()
     writeback = [(tensors[i], work[i]) for i in to_copy] if inplace else []
     return work, writeback
 
@@ -800,7 +824,13 @@ def check_same_length(op: str, a_name: str, a: list, b_name: str, b: list) -> No
 
 
 def check_same_shapes(op: str, a_name: str, a: list[Tensor], b_name: str, b: list[Tensor]) -> None:
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+    """Raises ValueError naming the first pair ``a[i]``, ``b[i]`` of other shapes: one pass of the
+    Rust core through torch's ``shape`` getter (~53 ns a tensor), else (a subclass, say) here."""
+    first = rust_core().shape_mismatch(a, b) if probes() and type(a) is list and type(b) is list else None
+    if first == -1:
+        return
+    start = first or 0  # the pair found, or all of them (the Rust pass could not answer)
+    for i, (x, y) in enumerate(zip(a[start:], b[start:], strict=True), start):
         if x.shape != y.shape:
             raise ValueError(
                 f"{op}: {a_name}[{i}] has shape {tuple(x.shape)} but {b_name}[{i}] has shape {tuple(y.shape)}"

@@ -474,8 +474,8 @@ def _check_pairs(dst, src):
 
 def _acc_run(dst: list[Tensor], src: list[Tensor], alpha: float) -> None:
     _check_pairs(dst, src)
-    d = P.make_plan(_ACC, "dst", dst, inplace=True, dense_ok=False)
-    s = P.make_plan(_ACC, "src", src, inplace=False, device=d.device, dense_ok=False)
+    d = P.make_plan(_ACC, "dst", dst, inplace=True, dense_ok=False, signed=True)
+    s = P.make_plan(_ACC, "src", src, inplace=False, device=d.device, dense_ok=False, signed=True)
     P.check_reads(_ACC, "dst", d, dst, "src", s, src)
     _backend(d).accumulate_(d, s, float(alpha))
     d.finish_inplace(dst)
@@ -497,7 +497,8 @@ _CLAMP = "gradfuse.clamp_"
 
 
 def _clamp_run(tensors: list[Tensor], min: float, max: float) -> None:
-    plan = P.make_plan(_CLAMP, "tensors", tensors, inplace=True)
+    # A clamp into [-c, c] of a tensor's memory clamps its values too, negated or not.
+    plan = P.make_plan(_CLAMP, "tensors", tensors, inplace=True, signed=min != -max)
     _backend(plan).clamp_(plan, float(min), float(max))
     plan.finish_inplace(tensors)
 
