@@ -88,6 +88,38 @@ def test_overlapping_targets_are_refused(op):
     assert same_bits(twice, before)
 
 
+@pytest.mark.parametrize("op", INPLACE_OPS)
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf", "non-leaf"])
+def test_targets_that_require_grad_under_grad_mode_are_refused(op, leaf):
+    """gradfuse's ops have no derivative: an in-place update of a tensor that requires grad while
+    grad mode is on would go unseen by autograd (torch raises for a leaf, and records the update
+    of any other tensor), so gradients through it would be silently wrong. Refused, naming the
+    tensor, nothing written; under ``torch.no_grad()`` (where updates of gradients and weights
+    run) the same call runs."""
+    base = torch.randn(5, requires_grad=True)
+    ts = [torch.randn(4), torch.randn(5, requires_grad=True) if leaf else base * 2]
+    before = snapshot(ts)
+    with pytest.raises(RuntimeError, match=r"(tensors|grads|dst)\[1\] is a ") as err:
+        INPLACE_OPS[op](ts)
+    assert "requires grad" in str(err.value) and ("leaf" in str(err.value)) == leaf
+    assert unchanged(ts, before)
+    with torch.no_grad():
+        INPLACE_OPS[op](ts)
+    assert not unchanged(ts, before)
+
+
+def test_an_accumulated_source_that_requires_grad_under_grad_mode_is_refused():
+    """``dst += src`` with ``src`` requiring grad: torch would make ``dst`` depend on it;
+    gradfuse cannot, so it refuses rather than leave ``dst`` silently detached."""
+    dst, src = [torch.zeros(3), torch.zeros(2)], [torch.ones(3), torch.ones(2, requires_grad=True)]
+    with pytest.raises(RuntimeError, match=r"src\[1\] is a leaf tensor that requires grad"):
+        gradfuse.accumulate_(dst, src)
+    assert all(not d.any() for d in dst)
+    with torch.no_grad():
+        gradfuse.accumulate_(dst, src)
+    assert all(d.eq(1).all() for d in dst)
+
+
 def test_adjacent_views_are_fine():
     storage = torch.ones(10)
     gradfuse.multi_tensor_scale_([storage[0:5], storage[5:10]], torch.tensor(2.0))

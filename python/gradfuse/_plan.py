@@ -39,6 +39,7 @@ _layout = attrgetter("layout")
 _version = attrgetter("_version")
 _device = attrgetter("device")
 _grad = attrgetter("grad")
+_requires_grad = attrgetter("requires_grad")
 
 
 class UnsupportedTensorError(TypeError):
@@ -242,6 +243,24 @@ def check_writable(tensors) -> None:
         raise _inference_update_error() from None
 
 
+def check_untracked(op: str, name: str, tensors: list[Tensor], role: str = "updated in place") -> None:
+    """Raises when one of ``tensors`` (an op's in-place targets, or what it adds into them)
+    requires grad (the caller found grad mode on): gradfuse's ops have no derivative, so autograd
+    would not see the update, and gradients through it would be silently wrong. torch raises for
+    a leaf target, and records any other update; here each raises, naming the tensor, before
+    anything is written (a gradient's update runs under ``torch.no_grad()``, as gradfuse's own
+    callers and torch's optimizers run theirs)."""
+    if not any(map(_requires_grad, tensors)):
+        return
+    i = next(i for i, t in enumerate(tensors) if t.requires_grad)
+    what = "a leaf tensor" if tensors[i].is_leaf else "a tensor"
+    raise RuntimeError(
+        f"{op}: {name}[{i}] is {what} that requires grad, {role} while grad mode is on; gradfuse's ops are "
+        "not differentiable, so autograd would not see the update: call it under torch.no_grad(), or on "
+        "tensors that do not require grad"
+    )
+
+
 def _inference_update_error() -> RuntimeError:
     """torch's own error for an in-place update of an inference tensor, raised by torch on an
     empty one (so the message is the installed torch's)."""
@@ -353,7 +372,8 @@ def make_plan(
     the index, when the tensors cannot be planned; nothing is modified.
 
     ``inplace``: the op writes them (they must not overlap, nor be inference tensors outside
-    inference mode: found here, raised by :meth:`Plan.before_write`). ``device``: the device
+    inference mode: found here, raised by :meth:`Plan.before_write`; nor, while grad mode is on,
+    require grad: :func:`check_untracked`). ``device``: the device
     the call is on (checked). ``dense_ok``: a non-contiguous tensor whose elements are still one
     dense block (a transpose, say) is used in place; element-wise ops that pair two lists pass
     False, so both sides are walked in the same (row-major) order; ops on rows pass ``ROWS``.
@@ -377,6 +397,8 @@ def make_plan(
     devices are read at every call. Anything else (a dtype, a size, a layout, the length, a type)
     makes a new plan.
     """
+    if inplace and torch.is_grad_enabled():
+        check_untracked(op, name, tensors)
     if not tensors:
         return _build(op, name, tensors, inplace, device, dense_ok)
     try:

@@ -474,6 +474,8 @@ def _check_pairs(dst, src):
 
 def _acc_run(dst: list[Tensor], src: list[Tensor], alpha: float) -> None:
     _check_pairs(dst, src)
+    if torch.is_grad_enabled():  # dst's are checked by its plan
+        P.check_untracked(_ACC, "src", src, "added in place into dst")
     d = P.make_plan(_ACC, "dst", dst, inplace=True, dense_ok=False, signed=True)
     s = P.make_plan(_ACC, "src", src, inplace=False, device=d.device, dense_ok=False, signed=True)
     P.check_reads(_ACC, "dst", d, dst, "src", s, src)
