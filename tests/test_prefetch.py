@@ -140,37 +140,26 @@ def test_a_walk_whose_list_shrinks_under_it_stays_inside_it():
         core.prefetch(min_bytes=threshold)
 
 
-def test_the_clip_of_a_large_model_prefetches_and_agrees_with_torch():
-    """Past the threshold (8 MiB of gradients) the probes prefetch by default: a clip there gives
-    torch's answer, call after call, as the gradients are made again."""
+@pytest.mark.parametrize(
+    ("n", "numel", "seed"),
+    [(2000, 1100, 0), (17_000, 4, 1)],
+    ids=["a large model", "many tiny tensors"],
+)
+def test_the_clip_of_a_list_past_the_threshold_prefetches_and_agrees_with_torch(n, numel, seed):
+    """Past the threshold (8 MiB) the probes prefetch by default: a clip there gives torch's
+    answer, call after call, as the gradients are made again. A list counts past it by its data
+    (2000 gradients of 1100 floats, 8.4 MiB) or by its tensors too, whose metadata outgrows the
+    caches before their data does (``prefetch::METADATA_BYTES``, half a KiB a tensor: 17,000
+    gradients of 4 floats, 266 KiB of data)."""
     _plan.probes()
-    assert _plan.rust_core().prefetch()[1] < 2000 * 1100 * 4
-    gen = torch.Generator().manual_seed(0)
-    ours = [torch.nn.Parameter(torch.zeros(1100)) for _ in range(2000)]
-    theirs = [torch.nn.Parameter(torch.zeros(1100)) for _ in range(2000)]
+    threshold = _plan.rust_core().prefetch()[1]
+    assert threshold < n * numel * 4 if numel > 4 else n * numel * 4 < threshold <= n * 512
+    gen = torch.Generator().manual_seed(seed)
+    ours = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(n)]
+    theirs = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(n)]
     for _ in range(3):
         for a, b in zip(ours, theirs, strict=True):
-            a.grad = torch.randn(1100, generator=gen)
-            b.grad = a.grad.clone()
-        total = gradfuse.clip_grad_norm_(ours, 10.0)
-        want = torch.nn.utils.clip_grad_norm_(theirs, 10.0)
-        torch.testing.assert_close(total, want, rtol=1e-5, atol=0)  # fp32 sums in other orders
-        assert all(torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7) for a, b in zip(ours, theirs, strict=True))
-
-
-def test_the_clip_of_many_tiny_tensors_prefetches_and_agrees_with_torch():
-    """A list counts past the threshold by its tensors too (their metadata outgrows the caches
-    before their data does: ``prefetch::METADATA_BYTES``): 17,000 gradients of 4 floats, 266 KiB of
-    data, are walked prefetching by default, and give torch's answer as they are made again."""
-    _plan.probes()
-    n = 17_000
-    assert n * 4 * 4 < _plan.rust_core().prefetch()[1] <= n * 512
-    gen = torch.Generator().manual_seed(1)
-    ours = [torch.nn.Parameter(torch.zeros(4)) for _ in range(n)]
-    theirs = [torch.nn.Parameter(torch.zeros(4)) for _ in range(n)]
-    for _ in range(3):
-        for a, b in zip(ours, theirs, strict=True):
-            a.grad = torch.randn(4, generator=gen)
+            a.grad = torch.randn(numel, generator=gen)
             b.grad = a.grad.clone()
         total = gradfuse.clip_grad_norm_(ours, 10.0)
         want = torch.nn.utils.clip_grad_norm_(theirs, 10.0)
