@@ -409,12 +409,12 @@ fn method_of(descr: &Bound<'_, PyAny>, name: &str) -> Option<Method> {
 /// Sets the probes of [`TensorList::probe`], [`grads_are`], [`addrs_are`] and
 /// [`shape_mismatch`]: `getters` are torch's getset descriptors `dtype`, `nbytes`, `_version`,
 /// `grad` and `shape`, `methods` its method descriptors `data_ptr`, `is_contiguous`, `get_device`
-/// and `is_neg` (as
-/// `torch.Tensor` resolves them), `dtypes` the dtype objects of codes 0..=3, `plain` the tensor
-/// types probed and `layouts` the keyword arguments of `is_contiguous` for memory formats
-/// 1..=LAYOUTS (`{"memory_format": torch.channels_last}`, ...). Returns False, setting nothing, when any descriptor is not what a probe can call
-/// directly (a Python that lays descriptors out otherwise, a torch that defines them otherwise):
-/// the Python layer then probes with `map`.
+/// and `is_neg` (as `torch.Tensor` resolves them), `dtypes` the dtype objects of codes 0..=3,
+/// `plain` the tensor types probed and `layouts` the keyword arguments of `is_contiguous` for
+/// memory formats 1..=LAYOUTS (`{"memory_format": torch.channels_last}`, ...). Returns False,
+/// setting nothing, when any descriptor is not what a probe can call directly (a Python that
+/// lays descriptors out otherwise, a torch that defines them otherwise): the Python layer then
+/// probes with `map`.
 #[pyfunction]
 fn set_probes(
     py: Python<'_>,
