@@ -187,6 +187,18 @@ def test_bad_max_norm_in_every_clipping_op(value):
     assert unchanged(ts, before)
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # meta: the fake implementation
+@pytest.mark.parametrize(("lo", "hi"), [(math.nan, 1.0), (-1.0, math.nan)])
+def test_nan_clamp_bounds_are_refused(device, lo, hi):
+    """torch's clamp to a NaN bound makes every element NaN: gradfuse's clamp raises instead (as
+    ``clip_grad_value_`` does for a NaN ``clip_value``), modifying nothing."""
+    ts = [torch.randn(4, device=device)]
+    before = snapshot(ts) if device == "cpu" else None
+    with pytest.raises(ValueError, match="min and max must not be NaN"):
+        torch.ops.gradfuse.clamp_(ts, lo, hi)
+    assert before is None or unchanged(ts, before)
+
+
 def test_nan_norm_type_is_refused():
     with pytest.raises(ValueError, match="norm_type must be a real number"):
         gradfuse.multi_tensor_norm([torch.ones(2)], math.nan)

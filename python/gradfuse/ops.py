@@ -505,11 +505,21 @@ def _clamp_run(tensors: list[Tensor], min: float, max: float) -> None:
     plan.finish_inplace(tensors)
 
 
+def _clamp_check(tensors, min, max):
+    """NaN bounds raise (torch's clamp would make every element NaN; ``clip_grad_value_`` refuses
+    a NaN ``clip_value`` as well)."""
+    min, max = float(min), float(max)
+    if math.isnan(min) or math.isnan(max):
+        raise ValueError(f"{_CLAMP}: min and max must not be NaN, got min={min}, max={max}")
+    return tensors, min, max
+
+
 def _clamp_fake(tensors, min, max):
+    _clamp_check(tensors, min, max)
     _fake_device(_CLAMP, "tensors", tensors)
 
 
-clamp_op = _Op("clamp_(Tensor(a!)[] tensors, float min, float max) -> ()", _clamp_run, _clamp_fake)
+clamp_op = _Op("clamp_(Tensor(a!)[] tensors, float min, float max) -> ()", _clamp_run, _clamp_fake, _clamp_check)
 
 
 # --- multi_tensor_stats -------------------------------------------------------------------
