@@ -199,19 +199,23 @@ def test_main_grad_accumulates_low_precision_grads_in_fp32(dtype):
     buckets = gradfuse.GradBuckets(ours.parameters(), grad_dtype=torch.float32, bucket_cap_mb=0.003)
     assert all(b.dtype == torch.float32 for b in buckets.buffers)
     expected = [torch.zeros(p.shape, dtype=torch.float64) for p in theirs.parameters()]
+    folded = [torch.zeros(p.shape, dtype=torch.float32) for p in theirs.parameters()]
     for _ in range(4):
         x = torch.randn(6, 12, dtype=dtype)
         ours(x).float().square().mean().backward()
         theirs(x).float().square().mean().backward()
-        for e, q in zip(expected, theirs.parameters(), strict=True):
+        for e, f, q in zip(expected, folded, theirs.parameters(), strict=True):
             e += q.grad.double()
+            f += q.grad.float()  # each backward's gradient folded in: one fp32 rounding a step
         theirs.zero_grad()
-    for (name, p), e in zip(ours.named_parameters(), expected, strict=True):
+    for (name, p), e, f in zip(ours.named_parameters(), expected, folded, strict=True):
         assert p.grad is None, f"{name}.grad not freed"
         assert p.main_grad.dtype == torch.float32
         assert p.main_grad.untyped_storage().data_ptr() in storages(buckets)
-        # fp32 sums of the same low-precision gradients: within fp32 rounding of the exact sum.
+        # fp32 sums of the same low-precision gradients: within fp32 rounding of the exact sum,
+        # and bit for bit the fp32 folds, one rounding per backward.
         torch.testing.assert_close(p.main_grad.double(), e, rtol=1e-6, atol=1e-8)
+        assert torch.equal(p.main_grad, f), name
     # The norm of the fp32 main gradients, fp32-accurate.
     total = buckets.get_total_norm()
     assert close(total.item(), ref_norms([p.main_grad for p in ours.parameters()], 2.0)[0], 2e-6)
