@@ -590,3 +590,20 @@ def test_a_tensor_subclass_that_overrides_torch_sees_the_op(subclass):
     gradfuse.multi_tensor_scale_([x], torch.tensor(0.5))
     assert any(str(f).startswith("gradfuse.multi_tensor_scale_") for f in subclass.seen)
     assert same_bits(data, want_scaled)
+
+
+def test_a_public_call_under_grad_mode_leaves_grad_mode_on():
+    """The eager entry runs an op with grad mode off once it found no tensor requiring grad (the
+    plans then need not ask again), and turns it back on, also when the call raises."""
+    tensors = [torch.randn(3), torch.randn(2)]
+    assert torch.is_grad_enabled()
+    gradfuse.multi_tensor_scale_(tensors, torch.tensor(0.5))
+    assert torch.is_grad_enabled()
+    total = gradfuse.multi_tensor_norm(tensors)
+    assert torch.is_grad_enabled() and not total.requires_grad
+    with pytest.raises(ValueError, match=r"dst\[1\] has shape"):
+        gradfuse.accumulate_(tensors, [torch.ones(3), torch.ones(3)])
+    assert torch.is_grad_enabled()
+    with pytest.raises(gradfuse._plan.UnsupportedTensorError, match=r"tensors\[0\] has dtype torch.int64"):
+        gradfuse.multi_tensor_scale_([torch.ones(2, dtype=torch.int64)], torch.tensor(0.5))
+    assert torch.is_grad_enabled()

@@ -170,13 +170,23 @@ class _Op:
     def public(self, *args):
         """The call of a public wrapper: arguments not checked yet, and autograd may watch. The
         dispatcher's autograd step has something to do only for tensors that require grad while
-        grad mode is on: then it runs; otherwise this is the eager entry."""
-        if not direct() or (torch.is_grad_enabled() and any(map(_requires_grad, _tensors_of(args)))):
+        grad mode is on: then it runs (where an in-place target's plan refuses them); otherwise
+        this is the eager entry, with grad mode off (what it found out, the plans need not ask
+        again)."""
+        if not direct():
             return self.overload(*args)
+        grad_mode = torch.is_grad_enabled()
+        if grad_mode:
+            if any(map(_requires_grad, _tensors_of(args))):
+                return self.overload(*args)
+            torch._C._set_grad_enabled(False)
         try:
             return self._impl(*args)
         except P.NotPlannable:
             return self.overload(*args)
+        finally:
+            if grad_mode:
+                torch._C._set_grad_enabled(True)
 
 
 _requires_grad = attrgetter("requires_grad")
