@@ -101,6 +101,24 @@ def test_agc_matches_timm_and_the_float64_rule(backend, clip_factor, eps):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("shapes", [[(0, 4)], [(0, 4), (0, 3)], [(0, 4), (3, 5), (6,)]])
+def test_parameters_empty_along_dim_0_have_no_units(backend, shapes):
+    """A weight with no rows has no units: alone (no unit at all), with others of none, or among
+    others, AGC gives timm's gradients and the total of all of them (0 where there is nothing)."""
+    gen = torch.Generator().manual_seed(4)
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for p, q in zip(ours, theirs, strict=True):
+        p.grad = torch.randn(p.shape, generator=gen) * 10
+        q.grad = p.grad.clone()
+    want = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in ours]).double())
+    total = adaptive_clip_grad_(ours, 0.01)
+    torch.testing.assert_close(total.double(), want, rtol=2e-6, atol=0)
+    timm_agc()(theirs, 0.01)
+    for p, q in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
 def test_unit_norms_against_float64(backend, dtype, norm_type):

@@ -114,7 +114,8 @@ def _agc_by_device(by_device: dict, clip_factor, eps, norm_type, inv_scale: Tens
             # shape may not split the gradient. Before any pass (C-level maps when not).
             _check_units("gradfuse.adaptive_clip_grad_", grads, units)
         norms = ops.unit_norms_op(weights + grads, units + units, norm_type)
-        w_norm, g_norm = norms.split(sum(units))
+        k = sum(units)  # 0 when every parameter is empty along dim 0: split() would give one part
+        w_norm, g_norm = norms[:k], norms[k:]
         if inv_scale is not None:
             inv = inv_scale.to(device, g_norm.dtype)
             g_norm = g_norm * inv
