@@ -328,8 +328,11 @@ def test_clamp_matches_torch_clip_grad_value(tensors, clip):
     st.sampled_from(EDGE_SIZES),
     st.sampled_from([1.0, 0.5, -2.0]),
     layouts,
+    st.sampled_from([(False, False), (True, False), (False, True), (True, True)]),
 )
-def test_accumulate_mixed_dtypes(dtypes, n, alpha, layout):
+def test_accumulate_mixed_dtypes(dtypes, n, alpha, layout, negated):
+    """Every dtype pair and layout, either side a lazily negated view or not (torch's negative
+    bit: the values are the negation of the memory): torch's sum of the values, bit for bit."""
     d_dtype, s_dtype = dtypes
     shape = (n, 3)
     dst = randn(shape, d_dtype)
@@ -338,11 +341,15 @@ def test_accumulate_mixed_dtypes(dtypes, n, alpha, layout):
         src = src.t().contiguous().t()
     elif layout == "sliced":
         src = randn((n, 5), s_dtype)[:, 1:4]
-    start = dst.clone()
+    if negated[0]:
+        dst = torch._neg_view(dst)
+    if negated[1]:
+        src = torch._neg_view(src)
+    start = dst.resolve_neg().clone()  # resolve_neg of a plain tensor is the tensor itself
     gradfuse.accumulate_([dst], [src], alpha)
     m = torch.float64 if torch.float64 in dtypes else torch.float32
-    want = (start.to(m) + torch.tensor(alpha, dtype=m) * src.to(m)).to(d_dtype)
-    assert same_bits(dst, want)
+    want = (start.to(m) + torch.tensor(alpha, dtype=m) * src.resolve_neg().to(m)).to(d_dtype)
+    assert same_bits(dst.resolve_neg(), want)
 
 
 @pytest.mark.parametrize("alpha", [1.0, 2.0], ids=str)
