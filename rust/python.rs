@@ -23,6 +23,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use std::ffi::{c_void, CStr, CString};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 // The Python layer's exception types (defined in `gradfuse._plan`, so that `import gradfuse`
 // need not load this module): the drop-in clipping functions catch them and hand the call to torch.
@@ -47,6 +48,10 @@ struct TensorList {
     /// The bytes of the tensors' data: a probe of a list past `prefetch::min_bytes` (these and
     /// `prefetch::METADATA_BYTES` a tensor) prefetches.
     bytes: usize,
+    /// Whether the tensors this list describes are likely other objects at each call: set when it
+    /// was made by [`TensorList::moved`] or its last probe found other addresses, cleared when
+    /// its last probe found its own. A probe then prefetches (see `prefetch::probed`). Speed only.
+    moving: AtomicBool,
 }
 
 #[pymethods]
@@ -89,7 +94,7 @@ impl TensorList {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| to_py(e, &name, ""))?;
         let bytes = tensors.iter().map(|t| t.numel * t.dtype.size()).sum();
-        let list = TensorList { name, tensors, writable, formats, bytes };
+        let list = TensorList { name, tensors, writable, formats, bytes, moving: AtomicBool::new(false) };
         if writable {
             list.check_disjoint(None).map_err(|e| list.err(e))?;
         }
@@ -98,6 +103,12 @@ impl TensorList {
 
     fn __len__(&self) -> usize {
         self.tensors.len()
+    }
+
+    /// Whether this list's tensors are taken to be made anew at every call (see `moving`).
+    #[getter]
+    fn moving(&self) -> bool {
+        self.moving.load(Ordering::Relaxed)
     }
 
     /// Raises OverlapError when a tensor of `reads` overlaps one of these (a writable list) other
@@ -136,7 +147,8 @@ impl TensorList {
             return Ok(py.None());
         }
         let mut addrs = Vec::with_capacity(self.tensors.len());
-        let ahead = prefetch::offsets().filter(|_| prefetch::probed(self.bytes, self.tensors.len()));
+        let moving = self.moving.load(Ordering::Relaxed);
+        let ahead = prefetch::offsets().filter(|_| prefetch::probed(self.bytes, self.tensors.len(), moving));
         for (i, (t, want)) in tensors.iter().zip(&self.tensors).enumerate() {
             if let Some(o) = ahead {
                 // SAFETY: the GIL is held and `tensors` is a live list.
@@ -157,7 +169,9 @@ impl TensorList {
             // The list shrank while the getters ran (Python code under a torch function mode).
             return Ok(py.None());
         }
-        if addrs.iter().zip(&self.tensors).all(|(&a, t)| a == t.addr) {
+        let same = addrs.iter().zip(&self.tensors).all(|(&a, t)| a == t.addr);
+        self.moving.store(!same, Ordering::Relaxed);
+        if same {
             return Ok(true.into_pyobject(py)?.to_owned().into_any().unbind());
         }
         Ok(PyBytes::new(py, &to_words(addrs)).into_any().unbind())
@@ -186,6 +200,7 @@ impl TensorList {
             writable: self.writable,
             formats: self.formats.clone(),
             bytes: self.bytes,
+            moving: AtomicBool::new(true),
         };
         if list.writable && list.check_disjoint(None).is_err() {
             return Ok(None);
@@ -514,6 +529,14 @@ fn grads_of<'py>(
         grads.append(grad)?;
     }
     Ok(Some(grads))
+}
+
+/// Whether probes of lists made anew at every call prefetch (see `prefetch::probed`): set when
+/// `on` is given; returns the setting. For benches and tests: on by default.
+#[pyfunction]
+#[pyo3(signature = (on=None))]
+fn prefetch_moving(on: Option<bool>) -> bool {
+    prefetch::moving(on)
 }
 
 /// `(cdata, storage, meta, version, grad)`: [`prefetch::Offsets`] as Python sees them.
@@ -1150,6 +1173,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_probes, m)?)?;
     m.add_function(wrap_pyfunction!(grads_of, m)?)?;
     m.add_function(wrap_pyfunction!(prefetch_setup, m)?)?;
+    m.add_function(wrap_pyfunction!(prefetch_moving, m)?)?;
     m.add_function(wrap_pyfunction!(backend_env, m)?)?;
     m.add_function(wrap_pyfunction!(grads_are, m)?)?;
     m.add_function(wrap_pyfunction!(addrs_are, m)?)?;

@@ -193,3 +193,44 @@ def test_lists_of_every_length_around_the_walks_stages(n):
             assert abs(total.item() - want.item()) <= 1e-5 * max(want.item(), 1.0)
     finally:
         core.prefetch(min_bytes=threshold)
+
+
+@pytest.mark.parametrize("n", [40, 600])
+@pytest.mark.parametrize("hint", [True, False], ids=["moving lists prefetched", "not"])
+def test_a_list_made_anew_at_every_call_is_known_as_moving_and_agrees_with_torch(hint, n):
+    """A loop that sets its gradients to None and makes them again, at other addresses each step
+    (here: rotating through more gradient sets than plans are kept for one list shape): each
+    call's plan is moved from the last, and its list is known as moving, so that its probes
+    prefetch from ``prefetch::MOVING_MIN_TENSORS`` (512) tensors up (other objects than the last
+    walk touched, out of the caches); the same list again clears it. Prefetching decides speed
+    alone: the answers are torch's either way, at 40 tensors and at 600."""
+    _plan.probes()
+    core = _plan.rust_core()
+    before = core.prefetch_moving()
+    assert before is True  # the default
+    core.prefetch_moving(hint)
+    _plan.clear_plans()  # the first call makes its plan (none kept from another test)
+    try:
+        gen = torch.Generator().manual_seed(5)
+
+        ours = [torch.nn.Parameter(torch.zeros(8)) for _ in range(n)]
+        theirs = [torch.nn.Parameter(torch.zeros(8)) for _ in range(n)]
+        sets = [[torch.randn(8, generator=gen) for _ in range(n)] for _ in range(_plan.PLANS_PER_KEY + 1)]
+
+        def latest():
+            return _plan._PLANS[(True, n, 32, 32)][0]
+
+        for k in range(2 * len(sets)):
+            for a, b, g in zip(ours, theirs, sets[k % len(sets)], strict=True):
+                a.grad, b.grad = g, g.clone()
+            total = gradfuse.clip_grad_norm_(ours, 1.0)
+            torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(theirs, 1.0), rtol=1e-5, atol=0)
+            assert all(torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7) for a, b in zip(ours, theirs, strict=True))
+            # The call's plan (the first kept for the key): the first set's was made, the others moved.
+            assert latest().tensor_list.moving is (k > 0)
+        # The same list again: its probe finds the plan's own addresses, and the list stops moving.
+        gradfuse.clip_grad_norm_(ours, 1.0)
+        assert latest().tensor_list.moving is False
+        assert core.prefetch_moving() is hint
+    finally:
+        core.prefetch_moving(before)
