@@ -638,6 +638,26 @@ def test_unaligned_views_form_their_own_group(monkeypatch):
     assert all(same_bits(o, r) for o, r in zip(ours, rust, strict=True))
 
 
+def test_moved_tables_keep_every_alignment():
+    """A plan's table moves with its tensors without checking their alignment again (the Rust
+    core checked each tensor's as the plan moved), and a move that changes a tensor's 16-byte
+    alignment makes a new plan and table instead; unit rows, whose alignment can change while
+    their tensor's does not (rows of 8 bytes 4, then 8, bytes past a boundary), are checked by
+    their table. Every table's groups say what each address is, and the results are right."""
+    buf = torch.randn(80, generator=torch.Generator().manual_seed(11))
+    assert buf.data_ptr() % 64 == 0
+    # Element offsets: aligned, aligned (moved), 4 bytes past (a new plan), 8 bytes past (moved,
+    # its rows' alignment changed: a new unit table), aligned again (a new plan).
+    for start in (0, 4, 1, 2, 8):
+        x = buf[start : start + 16].view(8, 2)
+        assert table_of([x]).aligned[0].tolist() == [x.data_ptr() % 16 == 0]
+        got = torch.ops.gradfuse.unit_norms([x], [8], 2.0)
+        units = make_plan("t", "tensors", [x], inplace=False).memo[("units", (8,))]
+        assert units.aligned[0].tolist() == [x[k].data_ptr() % 16 == 0 for k in range(8)], start
+        assert sorted(g.aligned for g in units.groups) == sorted({x[k].data_ptr() % 16 == 0 for k in range(8)})
+        torch.testing.assert_close(got, torch.linalg.vector_norm(x.double(), dim=1).float(), rtol=2e-6, atol=0)
+
+
 def clip_checked(grads, max_norm):
     """gradfuse's clip of ``grads`` (fp32, in place), checked against float64: the total is the
     norm they had, and each is scaled by torch's coefficient."""

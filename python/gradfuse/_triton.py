@@ -69,11 +69,15 @@ def _kept(plan: Plan, key, make, move):
 
 
 def _table(plan: Plan) -> ChunkTable:
+    """The chunk table of ``plan``'s tensors. One moved from the table of the plan this one moved
+    from skips the table's alignment check: each plan's move was checked by the Rust core
+    (``TensorList.moved``: every tensor as 16-byte aligned as before), so the table's origin and
+    this plan agree on every tensor's alignment."""
     return _kept(
         plan,
         "table",
         lambda: ChunkTable(plan.device, [plan.addr_tensor()], plan.numels, [plan.codes]),
-        lambda old: old.moved([plan.addr_tensor()]),
+        lambda old: old.moved([plan.addr_tensor()], aligned=True),
     )
 
 
@@ -100,7 +104,8 @@ def _pair_table(dst: Plan, src: Plan) -> ChunkTable:
 
 def _unit_table(plan: Plan, units: list[int]) -> ChunkTable:
     """The table of the units of ``plan`` (``units[i]`` equal parts of tensor ``i``), each a
-    tensor of its own."""
+    tensor of its own. One moved is checked for alignment: a unit's can change where its
+    tensor's does not (rows of 8 bytes, their tensor 4 then 8 bytes past a 16-byte boundary)."""
 
     def rows():
         itemsizes = [b // n if n else 1 for b, n in zip(plan.nbytes, plan.numels, strict=True)]
