@@ -212,7 +212,6 @@ def test_a_list_made_anew_at_every_call_is_known_as_moving_and_agrees_with_torch
     _plan.clear_plans()  # the first call makes its plan (none kept from another test)
     try:
         gen = torch.Generator().manual_seed(5)
-
         ours = [torch.nn.Parameter(torch.zeros(8)) for _ in range(n)]
         theirs = [torch.nn.Parameter(torch.zeros(8)) for _ in range(n)]
         sets = [[torch.randn(8, generator=gen) for _ in range(n)] for _ in range(_plan.PLANS_PER_KEY + 1)]
